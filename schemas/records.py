@@ -1,0 +1,316 @@
+"""Row models of the pipeline's tables.
+
+Each model is the contract of one table. Rows are validated against it when a stage
+writes them, so a bad row fails at the stage that made it, not in a training job weeks
+later. Nested or open-ended values (action arguments, slot values, app state) are JSON
+strings: Iceberg schemas stay stable while the payloads evolve.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _check_json(value: str) -> str:
+    try:
+        json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc.msg}") from None
+    return value
+
+
+class Record(BaseModel):
+    """Base of every table row: unknown fields are an error, never silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    schema_version: ClassVar[int] = 1
+    table: ClassVar[str]
+    key: ClassVar[str]
+
+    run_id: str = Field(description="The run that wrote this row.")
+
+
+class Query(Record):
+    """A task for the agent, with what is needed to replay and check it."""
+
+    table: ClassVar[str] = "queries"
+    key: ClassVar[str] = "query_id"
+
+    query_id: str
+    app: str
+    source: Literal["page_graph", "deep_search", "atomic", "miniwob", "imported"]
+    instruction: str
+    path: list[str] = Field(description="Page ids of the sampled path, start page first.")
+    slots_json: str = Field(description="Slot values chosen along the path, as a JSON object.")
+    checker: str = Field(description="Name of the programmatic checker of the goal state.")
+    checker_params_json: str
+    max_steps: int = Field(gt=0)
+    generator: str = Field(description="What wrote the instruction, with its version.")
+    created_at: datetime
+    actions_json: str | None = Field(
+        default=None,
+        description="UI operations done after the path's last page, as a JSON list of objects "
+        "{op, role, name, text?, to_role?, to_name?} (query_gen.operations.Operation): an "
+        "atomic-operation query's one operation, or a deep-search query's pathway of clicks. "
+        "None: the path alone is the task.",
+    )
+    attempts: int | None = Field(default=None, ge=0, description=(
+        "Episodes that tried this query, across runs (the self-evolving loop's difficulty); "
+        "None before any has."))
+    successes: int | None = Field(default=None, ge=0, description="Of those attempts, how many succeeded.")
+
+    _json = field_validator("slots_json", "checker_params_json")(_check_json)
+
+    @field_validator("actions_json")
+    @classmethod
+    def _actions_list(cls, value: str | None) -> str | None:
+        if value is not None and not isinstance(json.loads(_check_json(value)), list):
+            raise ValueError("must be a JSON list of operations")
+        return value
+
+
+class Episode(Record):
+    """One attempt of one query in a live environment."""
+
+    table: ClassVar[str] = "episodes"
+    key: ClassVar[str] = "episode_id"
+
+    episode_id: str
+    query_id: str
+    app: str
+    instruction: str
+    policy: str
+    model_id: str
+    prompt_version: str
+    viewport: str = Field(description="'mobile' or 'desktop' or WIDTHxHEIGHT.")
+    status: Literal["terminated", "max_steps", "env_fault", "stalled"] = Field(
+        description="stalled: the policy gave too many invalid actions in a row to go on."
+    )
+    num_steps: int = Field(ge=0)
+    final_url: str
+    final_state_json: str = Field(description="The app's state read from its server when the episode ended.")
+    fault: str | None = None
+    started_at: datetime
+    finished_at: datetime
+    # Added after the first release: optional, so tables written before them stay valid.
+    fault_kind: Literal["browser_crash", "timeout", "app_down", "other"] | None = Field(
+        default=None, description="What failed in an env_fault episode (the env's, never the agent's fault)."
+    )
+    attempt: int | None = Field(
+        default=None, ge=1, description="1 for a query's first episode; a rerun after an env fault counts up."
+    )
+    guidance_id: str | None = Field(
+        default=None, description="The guidance row (table guidance) offered to the policy for this query; None: unguided."
+    )
+
+    _json = field_validator("final_state_json")(_check_json)
+
+
+class Step(Record):
+    """One action with the observations before and after it."""
+
+    table: ClassVar[str] = "steps"
+    key: ClassVar[str] = "step_id"
+
+    step_id: str
+    episode_id: str
+    step_index: int = Field(ge=0)
+    screenshot_before: str = Field(description="sha256 of the screenshot blob before the action.")
+    screenshot_after: str
+    width: int = Field(gt=0, description="Screenshot width in pixels; coordinates are pixels of it.")
+    height: int = Field(gt=0)
+    url_before: str
+    url_after: str
+    title_before: str
+    title_after: str
+    ax_tree_before: str = Field(
+        description="Accessibility tree rendered as indented 'role name' lines, each ending in its element's "
+        "box '(x,y,w,h)' in screenshot pixels where it has one."
+    )
+    action_type: str
+    action_json: str = Field(description="The action's arguments as a JSON object.")
+    action_valid: bool
+    action_error: str | None = None
+    target_role: str | None = None
+    target_name: str | None = None
+    thought: str = Field(description="The policy's stated reason for the action.")
+    raw_output: str = Field(description="The policy's output before parsing.")
+    duration_ms: float = Field(ge=0)
+    # Added after the first release: optional, so tables written before them stay valid.
+    ax_tree_after: str | None = Field(default=None, description="Accessibility tree after the action.")
+    target_box: list[float] | None = Field(
+        default=None, description="[x, y, width, height] of the target element in screenshot pixels."
+    )
+    policy_error: str | None = Field(
+        default=None, description="Why the policy's output could not be made an action (kept, not guessed)."
+    )
+    observation_mode: str | None = Field(
+        default=None,
+        description="How the policy's model saw the screen: 'image', or 'ocr+ax' when a text-only model got "
+        "an OCR and accessibility-tree rendering of the screenshot instead of the image.",
+    )
+    model_calls_json: str | None = Field(
+        default=None,
+        description="The model calls behind the step: [{template, template_version, model_id, observation_mode, "
+        "cached, reask, tokens_in, tokens_out, latency_ms, parse_error}].",
+    )
+    roles_json: str | None = Field(
+        default=None, description="Multi-agent policies: each role's inputs, raw output and parsed output."
+    )
+
+    _json = field_validator("action_json")(_check_json)
+
+
+class StepCritique(Record):
+    """A critic's judgement of one step (paper 6.3: analysis, summary, label)."""
+
+    table: ClassVar[str] = "step_critiques"
+    key: ClassVar[str] = "critique_id"
+
+    critique_id: str
+    step_id: str
+    episode_id: str
+    critic: str
+    model_id: str
+    prompt_version: str
+    analysis: str
+    summary: str
+    label: Literal["GOOD", "NEUTRAL", "HARMFUL"] | None = Field(
+        description="None when the critic's output could not be parsed."
+    )
+    raw_output: str
+    parse_error: str | None = None
+    # Added after the first release: optional, so tables written before them stay valid.
+    flags: list[str] | None = Field(
+        default=None,
+        description="Pre-filter findings: invalid_action, no_change (screen, tree and URL as before), "
+        "repeated_action (the previous step's action again). A flagged step may be settled without a model.",
+    )
+    annotated_screenshot: str | None = Field(
+        default=None, description="sha256 of the pre-action screenshot with the interaction drawn on it."
+    )
+    observation_mode: str | None = Field(
+        default=None, description="How the critic's model saw the screenshots: 'image', 'ocr', or None (no model)."
+    )
+
+
+class Verdict(Record):
+    """The trajectory-level judgement of an episode, with every channel's answer."""
+
+    table: ClassVar[str] = "verdicts"
+    key: ClassVar[str] = "verdict_id"
+
+    verdict_id: str
+    episode_id: str
+    query_id: str
+    success: bool
+    consensus: str = Field(description="The consensus rule that combined the channels.")
+    channels_json: str = Field(
+        description="{channel: {answer, reason, model_id, ...}} for every channel, asked or not: answer is "
+        "'success', 'failure', or null when the channel was not asked or its answer did not parse (reason says which)."
+    )
+    reason: str
+    config_hash: str
+
+    _json = field_validator("channels_json")(_check_json)
+
+
+class QueryAttempt(Record):
+    """One judged episode of a query: the per-query history the self-evolving loop reads (paper 2.2.1)."""
+
+    table: ClassVar[str] = "query_history"
+    key: ClassVar[str] = "episode_id"
+
+    episode_id: str
+    query_id: str
+    app: str
+    source: str = Field(description="The query's source (page_graph, atomic, deep_search, miniwob, ...).")
+    iteration: int = Field(ge=0, description="The model iteration (loop.iteration) whose policy made the attempt.")
+    policy: str
+    model_id: str
+    guidance_id: str | None = Field(default=None, description="The guidance the attempt was given, if any.")
+    success: bool
+    judged_at: datetime
+
+
+class ReplayEntry(Record):
+    """A successful trajectory kept for its query: the references guidance is distilled from."""
+
+    table: ClassVar[str] = "replay_buffer"
+    key: ClassVar[str] = "entry_id"
+
+    entry_id: str
+    query_id: str
+    origin: Literal["rollout", "replay", "human"] = Field(
+        description="rollout: an accepted episode; replay: the query's reference path replayed in the app; "
+        "human: a demonstration imported from a file."
+    )
+    episode_id: str | None = Field(description="The episode it came from (None for a human demonstration).")
+    instruction: str
+    steps_json: str = Field(
+        description="The steps in order: [{step_index, action_type, action_json, thought, target_role, target_name, "
+        "target_box, action_valid, url_before, url_after, title_before, title_after, ax_tree_before, ax_tree_after, "
+        "screenshot_before, screenshot_after}] (screenshots may be null for a demonstration)."
+    )
+
+    _json = field_validator("steps_json")(_check_json)
+
+
+class Guidance(Record):
+    """Query-specific guidance (paper 6.4): essential steps distilled from reference trajectories."""
+
+    table: ClassVar[str] = "guidance"
+    key: ClassVar[str] = "guidance_id"
+
+    guidance_id: str
+    query_id: str
+    instruction: str
+    text: str = Field(description="What the policy prompt gets: the summary, then the essential steps numbered.")
+    essential_steps: list[str] = Field(description="The outcomes of the steps that passed quality control, in order.")
+    references: list[str] = Field(description="Replay-buffer entry ids of the reference trajectories.")
+    dropped_steps_json: str = Field(
+        description="[{entry_id, step_index, reason}]: reference steps quality control dropped, and why."
+    )
+    outcomes_json: str = Field(
+        description="[{entry_id, step_index, action, thought, outcome, kept}]: each reference step's described outcome."
+    )
+    describer: str = Field(description="'template' or the model id that described outcomes and wrote the summary.")
+    prompt_version: str
+    observation_mode: str = Field(
+        description="How the describer saw before/after screens: 'image' (annotated screenshots), 'ocr+ax' (a "
+        "text-only model given OCR and accessibility-tree text), or 'ax-diff' (template: tree and title changes)."
+    )
+    hard_reason: str = Field(description="Why the query was selected as hard (its recent success rate).")
+
+    _json = field_validator("dropped_steps_json", "outcomes_json")(_check_json)
+
+
+class TrainingStep(Record):
+    """One row of the end-to-end training table: an accepted step as a Qwen2.5-VL chat sample."""
+
+    table: ClassVar[str] = "train_e2e"
+    key: ClassVar[str] = "sample_id"
+
+    sample_id: str
+    step_id: str
+    episode_id: str
+    query_id: str
+    label: Literal["GOOD", "NEUTRAL"]
+    messages_json: str = Field(
+        description="Qwen2.5-VL chat messages: [{role, content: [{type: text, text} | {type: image}]}]; the "
+        "assistant turn ends in a <tool_call> of the action space's function. Images are in `images`, in order."
+    )
+    images: list[bytes] = Field(description="PNG bytes of each {type: image} part, in message order.")
+    tag: str = Field(description="The run's tag (nightly-YYYY-MM-DD) the table version also carries.")
+
+    _json = field_validator("messages_json")(_check_json)
+
+
+RECORDS: dict[str, type[Record]] = {
+    m.table: m
+    for m in (Query, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep)
+}
