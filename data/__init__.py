@@ -1,0 +1,1 @@
+"""The dataset catalog (versions, tags, lineage), the screenshot blob store, notebook helpers."""

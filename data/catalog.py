@@ -1,0 +1,582 @@
+"""The dataset catalog: every table is an Apache Iceberg table, every stage run one snapshot.
+
+Why Iceberg through pyiceberg's SqlCatalog: a commit is atomic (a reader sees a stage's
+rows all or not at all), every past version stays readable by its snapshot id (time
+travel, reproducible training sets), tags give versions stable names (`nightly-...`),
+and the snapshot summary carries the lineage of the rows it added. The catalog database
+is a SQLite file on a fresh machine and PostgreSQL in production; the files are the
+same Parquet either way.
+
+Stages write their shards as Parquet files into `data_dir(table)` themselves and then
+make one `commit_files` call, because a commit costs time that grows with the number of
+snapshots (shared/FACTS.md): commit once per stage, not once per shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Literal
+from urllib.parse import unquote, urlparse
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import (
+    CommitFailedException,
+    NamespaceAlreadyExistsError,
+    NoSuchTableError,
+    TableAlreadyExistsError,
+    ValidationException,
+)
+from pyiceberg.expressions import AlwaysTrue
+from pyiceberg.io.pyarrow import parquet_file_to_data_file
+from pyiceberg.manifest import DataFile, DataFileContent
+from pyiceberg.table import Table, TableProperties, Transaction
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.utils.concurrent import ExecutorFactory
+from tenacity import (
+    Retrying,
+    before_sleep_log,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from schemas.config import WarehouseSettings
+from schemas.records import RECORDS, Record
+from schemas.tables import SCHEMA_VERSION_KEY, arrow_schema, record_model, to_arrow
+
+try:  # Polars plans Iceberg scans natively with this plugin; without it, it warns on every scan.
+    import polars_iceberg  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    os.environ.setdefault("POLARS_ICEBERG_PLANNER", "pyiceberg")
+
+logger = logging.getLogger(__name__)
+
+LINEAGE_KEY = "trajforge.lineage"
+STAGE_KEY = "trajforge.stage"
+RUN_ID_KEY = "trajforge.run_id"
+COMMIT_KEY = "trajforge.commit_key"
+
+TABLE_PROPERTIES: dict[str, str] = {
+    # Every commit writes a new metadata JSON; keep only a few, or they pile up per stage run.
+    TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED: "true",
+    TableProperties.METADATA_PREVIOUS_VERSIONS_MAX: "10",
+    # Merge small manifests so that planning a scan does not open one manifest per commit.
+    TableProperties.MANIFEST_MERGE_ENABLED: "true",
+    # Our own retry loop re-checks the commit key before each attempt; pyiceberg's does not,
+    # so two retry layers could commit one stage twice.
+    TableProperties.COMMIT_NUM_RETRIES: "0",
+}
+
+COMMIT_ATTEMPTS = 10
+
+CommitMode = Literal["append", "overwrite"]
+
+
+class CatalogError(Exception):
+    """A catalog operation that cannot be done as asked."""
+
+
+class UnknownRef(CatalogError, LookupError):
+    """A table, snapshot or tag that does not exist; the message names the ref."""
+
+
+class Lineage(BaseModel):
+    """Where a snapshot's rows came from: enough to rerun the stage or explain a row.
+
+    Stored in the snapshot summary, so it travels with the data and cannot drift from it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: str
+    run_id: str
+    commit_key: str = Field(min_length=1, description="Idempotency key: one commit per key per table.")
+    inputs: dict[str, int] = Field(default_factory=dict, description="table -> snapshot id read.")
+    config_hash: str
+    code_version: str
+    models: dict[str, str] = Field(default_factory=dict, description="role -> model id.")
+    prompts: dict[str, str] = Field(default_factory=dict, description="template -> version.")
+    kept: dict[str, int] = Field(default_factory=dict, description="table -> rows written.")
+    dropped: dict[str, int] = Field(default_factory=dict, description="reason -> rows dropped.")
+    stats: dict[str, int] = Field(
+        default_factory=dict, description="Other counts of the stage: coverage, fallbacks, unverified checks."
+    )
+
+    def snapshot_properties(self) -> dict[str, str]:
+        """The summary properties: the whole lineage as JSON, plus flat keys to filter on."""
+        return {
+            LINEAGE_KEY: self.model_dump_json(),
+            STAGE_KEY: self.stage,
+            RUN_ID_KEY: self.run_id,
+            COMMIT_KEY: self.commit_key,
+        }
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One version of a table as `history` lists it."""
+
+    snapshot_id: int
+    committed_at: datetime
+    operation: str
+    stage: str | None
+    run_id: str | None
+    added_rows: int
+    total_rows: int
+    tags: list[str]
+    lineage: Lineage | None
+
+
+@dataclass(frozen=True)
+class TableDiff:
+    """Rows added, removed and changed between two versions, matched on the table's key."""
+
+    table: str
+    a: int | None
+    b: int | None
+    key: str
+    added: pl.DataFrame
+    removed: pl.DataFrame
+    changed: list[Any] = field(default_factory=list)
+
+    @property
+    def n_added(self) -> int:
+        return self.added.height
+
+    @property
+    def n_removed(self) -> int:
+        return self.removed.height
+
+    @property
+    def n_changed(self) -> int:
+        return len(self.changed)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.table} {self.a} -> {self.b}: "
+            f"+{self.n_added} -{self.n_removed} ~{self.n_changed} (key {self.key})"
+        )
+
+
+def _local_path(location: str) -> Path:
+    """A warehouse location as a local path; only local warehouses are written to directly."""
+    parsed = urlparse(location)
+    if parsed.scheme not in ("", "file"):
+        raise CatalogError(f"location {location!r} is not local; data_dir needs a file:// warehouse")
+    return Path(unquote(parsed.path))
+
+
+def _file_uri(path: str | Path) -> str:
+    """Data files are registered as file:// URIs, the form pyiceberg itself writes."""
+    text = str(path)
+    if urlparse(text).scheme:
+        return text
+    return Path(text).resolve().as_uri()
+
+
+def _commit_file_stem(commit_key: str) -> str:
+    """A file name derived from the commit key, so a rerun of a crashed commit rewrites the same file."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", commit_key).strip("._")[:80]
+    digest = hashlib.sha256(commit_key.encode()).hexdigest()[:12]
+    return f"{readable}-{digest}" if readable else digest
+
+
+def _parse_lineage(snapshot: Snapshot) -> Lineage | None:
+    raw = snapshot.summary[LINEAGE_KEY] if snapshot.summary is not None else None
+    return Lineage.model_validate_json(raw) if raw else None
+
+
+def _find_commit(table: Table, commit_key: str) -> int | None:
+    """The snapshot that already carries this commit key, if any (idempotent resume)."""
+    for snapshot in table.metadata.snapshots:
+        if snapshot.summary is not None and snapshot.summary[COMMIT_KEY] == commit_key:
+            return snapshot.snapshot_id
+    return None
+
+
+def _live_data_files(table: Table, tx: Transaction) -> list[DataFile]:
+    """The data files of the transaction's current snapshot (what an overwrite removes)."""
+    snapshot = tx.table_metadata.current_snapshot()
+    if snapshot is None:
+        return []
+    return [
+        entry.data_file
+        for manifest in snapshot.manifests(table.io)
+        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
+        if entry.data_file.content == DataFileContent.DATA
+    ]
+
+
+def write_parquet_atomic(data: pa.Table, path: Path) -> None:
+    """Write then rename: a crash never leaves a half-written file under the final name."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(data, tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _retrying() -> Retrying:
+    """Jittered backoff for optimistic-concurrency conflicts between writers of one table."""
+    return Retrying(
+        retry=retry_if_exception_type((CommitFailedException, ValidationException)),
+        stop=stop_after_attempt(COMMIT_ATTEMPTS),
+        wait=wait_random_exponential(multiplier=0.05, max=2.0),
+        before_sleep=before_sleep_log(logger, logging.INFO),
+        reraise=True,
+    )
+
+
+class Catalog:
+    """Versioned tables of one namespace, their snapshots, tags and lineage."""
+
+    def __init__(
+        self,
+        warehouse: Path,
+        uri: str | None = None,
+        namespace: str = "trajforge",
+        name: str = "trajforge",
+    ) -> None:
+        self.warehouse = Path(warehouse).resolve()
+        self.warehouse.mkdir(parents=True, exist_ok=True)
+        self.namespace = namespace
+        self.uri = uri or f"sqlite:///{self.warehouse / 'catalog.db'}"
+        self.iceberg = SqlCatalog(name, uri=self.uri, warehouse=self.warehouse.as_uri())
+        """The pyiceberg catalog underneath, for maintenance such as expiring snapshots."""
+        if not self.iceberg.namespace_exists(namespace):
+            try:
+                self.iceberg.create_namespace(namespace)
+            except NamespaceAlreadyExistsError:  # another process created it meanwhile
+                pass
+        self._tables: dict[str, Table] = {}  # loaded tables, refreshed before each use
+        self._checked: set[str] = set()  # tables already matched to their record model
+
+    @classmethod
+    def from_settings(cls, wh: WarehouseSettings) -> Catalog:
+        """The catalog a configuration names (SQLite under the warehouse unless a URL is set)."""
+        url = wh.catalog_url.get_secret_value() if wh.catalog_url else None
+        return cls(wh.path, uri=url, namespace=wh.namespace)
+
+    def close(self) -> None:
+        """Release the database connections (matters for PostgreSQL's connection limit)."""
+        self._tables.clear()
+        self._checked.clear()
+        self.iceberg.engine.dispose()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ tables
+
+    def tables(self) -> list[str]:
+        """Names of the tables that exist in the namespace."""
+        return sorted(ident[-1] for ident in self.iceberg.list_tables(self.namespace))
+
+    def table(self, name: str) -> Table:
+        """The Iceberg table of a record model, created or evolved to match the model.
+
+        Creation is lazy so that a stage never needs a setup step; evolution is additive
+        (new optional columns) so that old snapshots stay readable with their own schema.
+        """
+        if name in self._checked:
+            return self._tables[name]
+        model = record_model(name)
+        schema = arrow_schema(model)
+        ident = (self.namespace, name)
+        try:
+            tbl = self._tables.get(name) or self.iceberg.load_table(ident)
+        except NoSuchTableError:
+            properties = {**TABLE_PROPERTIES, SCHEMA_VERSION_KEY: str(model.schema_version)}
+            try:
+                tbl = self.iceberg.create_table(ident, schema=schema, properties=properties)
+            except TableAlreadyExistsError:  # another process created it meanwhile
+                tbl = self.iceberg.load_table(ident)
+        tbl = self._evolve(tbl, model, schema)
+        self._tables[name] = tbl
+        self._checked.add(name)
+        return tbl
+
+    def _evolve(self, tbl: Table, model: type[Record], schema: pa.Schema) -> Table:
+        """Add the model's new columns to the table (they must be optional: old rows lack them)."""
+        for attempt in _retrying():
+            with attempt:
+                tbl.refresh()
+                existing = {f.name for f in tbl.schema().fields}
+                new = [f for f in schema if f.name not in existing]
+                version = str(model.schema_version)
+                if not new and tbl.properties.get(SCHEMA_VERSION_KEY) == version:
+                    return tbl
+                required = [f.name for f in new if not f.nullable]
+                if required:
+                    raise CatalogError(
+                        f"table {model.table!r}: {model.__name__} adds required column(s) {required}; "
+                        "rows already in the table have no value for them, so new columns must be "
+                        "optional (`X | None = None` or a default)"
+                    )
+                with tbl.transaction() as tx:
+                    if new:
+                        with tx.update_schema() as update:
+                            update.union_by_name(schema)
+                    tx.set_properties(**{SCHEMA_VERSION_KEY: version})
+                return tbl
+        raise AssertionError("unreachable")  # pragma: no cover - Retrying re-raises
+
+    def _existing(self, name: str, ref: str) -> Table | None:
+        """A table to read, refreshed; None for a known table not created yet.
+
+        Reads never create tables: a typo in a notebook should not leave an empty table behind.
+        """
+        if name in self._tables:
+            return self._tables[name].refresh()
+        try:
+            tbl = self.iceberg.load_table((self.namespace, name))
+        except NoSuchTableError:
+            if name in RECORDS:
+                return None
+            known = sorted(set(RECORDS) | set(self.tables()))
+            raise UnknownRef(f"ref {ref!r}: unknown table {name!r}; known tables: {', '.join(known)}") from None
+        self._tables[name] = tbl
+        return tbl
+
+    def data_dir(self, name: str) -> Path:
+        """The folder where a stage writes its shard Parquet files before `commit_files`."""
+        path = _local_path(self.table(name).location()) / "data"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # ----------------------------------------------------------------- commits
+
+    def commit_files(
+        self,
+        table: str,
+        files: Iterable[str | Path],
+        lineage: Lineage,
+        mode: CommitMode = "append",
+    ) -> int:
+        """Commit Parquet files as one new snapshot carrying the lineage; return its id.
+
+        Idempotent on `lineage.commit_key`: if a snapshot of this table already carries
+        the key, its id is returned and nothing is written. This is how a stage that
+        crashed between committing two tables resumes without duplicate rows.
+
+        append adds the files (metadata only, the files are not rewritten); overwrite
+        replaces the table's contents with exactly these files in a single snapshot.
+        Conflicts with concurrent writers are retried with jittered backoff.
+        """
+        if mode not in ("append", "overwrite"):
+            raise ValueError(f"mode must be 'append' or 'overwrite', not {mode!r}")
+        paths = [_file_uri(f) for f in files]
+        properties = lineage.snapshot_properties()
+        tbl = self.table(table)
+        for attempt in _retrying():
+            with attempt:
+                tbl.refresh()
+                if (done := _find_commit(tbl, lineage.commit_key)) is not None:
+                    return done
+                tx = tbl.transaction()
+                if mode == "append":
+                    tx.add_files(paths, snapshot_properties=properties)
+                else:
+                    self._replace_files(tbl, tx, paths, properties)
+                tx.commit_transaction()
+                committed = _find_commit(tbl, lineage.commit_key)
+                assert committed is not None, "the commit landed but its snapshot is missing"
+                return committed
+        raise AssertionError("unreachable")  # pragma: no cover - Retrying re-raises
+
+    @staticmethod
+    def _replace_files(tbl: Table, tx: Transaction, paths: list[str], properties: dict[str, str]) -> None:
+        """Stage one OVERWRITE snapshot that removes every live data file and adds `paths`.
+
+        pyiceberg's own overwrite() would delete and append in two snapshots (an empty
+        intermediate version visible in history) and rewrite the data; this keeps one
+        version and registers the stage's files as they are.
+        """
+        if tx.table_metadata.name_mapping() is None:
+            # Files written outside pyiceberg carry no field ids; readers map columns by name.
+            mapping = tx.table_metadata.schema().name_mapping.model_dump_json()
+            tx.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING: mapping})
+        executor = ExecutorFactory.get_or_create()
+        added = list(executor.map(lambda p: parquet_file_to_data_file(tbl.io, tx.table_metadata, p), paths))
+        with tx.update_snapshot(snapshot_properties=properties).overwrite() as overwrite:
+            overwrite.delete_by_predicate(AlwaysTrue())
+            for data_file in _live_data_files(tbl, tx):
+                overwrite.delete_data_file(data_file)
+            for data_file in added:
+                overwrite.append_data_file(data_file)
+
+    def commit_rows(
+        self,
+        table: str,
+        rows: Iterable[dict[str, Any] | Record],
+        lineage: Lineage,
+        mode: CommitMode = "append",
+    ) -> int:
+        """Validate rows, write them as one Parquet file and commit it; return the snapshot id.
+
+        Validation comes first, so a bad row (RowError) leaves the table untouched.
+        For large outputs, write shards into `data_dir` and use `commit_files`.
+        """
+        data = to_arrow(table, rows)
+        tbl = self.table(table).refresh()
+        if (done := _find_commit(tbl, lineage.commit_key)) is not None:
+            return done
+        if data.num_rows == 0:  # still a version: its lineage says what was dropped and why
+            return self.commit_files(table, [], lineage, mode)
+        path = self.data_dir(table) / f"{_commit_file_stem(lineage.commit_key)}.parquet"
+        write_parquet_atomic(data, path)
+        try:
+            return self.commit_files(table, [path], lineage, mode)
+        except (CommitFailedException, ValidationException):
+            # These guarantee that the commit did not land, so the file is nobody's: remove it.
+            path.unlink(missing_ok=True)
+            raise
+
+    # ------------------------------------------------------------------- reads
+
+    def resolve(self, ref: str) -> tuple[str, int | None]:
+        """Parse `TABLE`, `TABLE@latest`, `TABLE@<snapshot id>` or `TABLE@<tag>`.
+
+        Returns the table name and snapshot id; the id is None when the table has no
+        snapshot yet (only for `TABLE` and `TABLE@latest`).
+        """
+        name, _, version = ref.partition("@")
+        if not name:
+            raise UnknownRef(f"ref {ref!r}: no table name")
+        tbl = self._existing(name, ref)
+        if version in ("", "latest"):
+            snapshot = tbl.current_snapshot() if tbl is not None else None
+            return name, snapshot.snapshot_id if snapshot is not None else None
+        if tbl is None:
+            raise UnknownRef(f"ref {ref!r}: table {name!r} has no versions yet")
+        if re.fullmatch(r"-?\d+", version):
+            snapshot_id = int(version)
+            if tbl.snapshot_by_id(snapshot_id) is None:
+                raise UnknownRef(f"ref {ref!r}: table {name!r} has no snapshot {snapshot_id}")
+            return name, snapshot_id
+        snapshot = tbl.snapshot_by_name(version)
+        if snapshot is None:
+            tags = sorted(n for n, r in tbl.metadata.refs.items() if r.snapshot_ref_type == SnapshotRefType.TAG)
+            raise UnknownRef(
+                f"ref {ref!r}: table {name!r} has no tag {version!r}; tags: {', '.join(tags) or 'none'}"
+            )
+        return name, snapshot.snapshot_id
+
+    def _ref(self, ref_or_table: str, version: int | str | None) -> str:
+        if version is None:
+            return ref_or_table
+        if "@" in ref_or_table:
+            raise ValueError(f"give the version either in the ref or as version=, not both: {ref_or_table!r}")
+        return f"{ref_or_table}@{version}"
+
+    def scan(self, ref_or_table: str, version: int | str | None = None) -> pl.LazyFrame:
+        """A lazy polars frame of one version; an empty frame with the schema if there is none."""
+        return self._scan(*self.resolve(self._ref(ref_or_table, version)))
+
+    def _scan(self, name: str, snapshot_id: int | None) -> pl.LazyFrame:
+        tbl = self._tables.get(name)
+        if snapshot_id is None:
+            schema = tbl.schema().as_arrow() if tbl is not None else arrow_schema(record_model(name))
+            return pl.from_arrow(schema.empty_table()).lazy()  # type: ignore[union-attr]
+        assert tbl is not None
+        return pl.scan_iceberg(tbl, snapshot_id=snapshot_id)
+
+    def load(self, ref_or_table: str, version: int | str | None = None) -> pl.DataFrame:
+        """One version read into memory."""
+        return self.scan(ref_or_table, version).collect()
+
+    def history(self, table: str) -> list[SnapshotInfo]:
+        """Every snapshot of the table, oldest first, with tags and lineage."""
+        tbl = self._existing(table, table)
+        if tbl is None:
+            return []
+        tags: dict[int, list[str]] = defaultdict(list)
+        for ref_name, ref in tbl.metadata.refs.items():
+            if ref.snapshot_ref_type == SnapshotRefType.TAG:
+                tags[ref.snapshot_id].append(ref_name)
+        infos = []
+        for snap in sorted(tbl.metadata.snapshots, key=lambda s: (s.timestamp_ms, s.sequence_number or 0)):
+            summary = snap.summary
+            infos.append(
+                SnapshotInfo(
+                    snapshot_id=snap.snapshot_id,
+                    committed_at=datetime.fromtimestamp(snap.timestamp_ms / 1000, tz=timezone.utc),
+                    operation=summary.operation.value if summary is not None else "unknown",
+                    stage=summary[STAGE_KEY] if summary is not None else None,
+                    run_id=summary[RUN_ID_KEY] if summary is not None else None,
+                    added_rows=int((summary["added-records"] if summary is not None else None) or 0),
+                    total_rows=int((summary["total-records"] if summary is not None else None) or 0),
+                    tags=sorted(tags.get(snap.snapshot_id, [])),
+                    lineage=_parse_lineage(snap),
+                )
+            )
+        return infos
+
+    def lineage(self, table: str, version: int | str | None = None) -> Lineage | None:
+        """The lineage of one version (latest when None); None if it was not written by a stage."""
+        name, snapshot_id = self.resolve(self._ref(table, version))
+        if snapshot_id is None:
+            return None
+        snapshot = self._tables[name].snapshot_by_id(snapshot_id)
+        assert snapshot is not None
+        return _parse_lineage(snapshot)
+
+    def tag(self, table: str, version: int | str | None, name: str) -> int:
+        """Point a tag at a version (moving it if it exists); return the snapshot id.
+
+        Tags survive snapshot expiry, so a tagged training set stays readable.
+        """
+        if not name or "@" in name or name == "latest" or re.fullmatch(r"-?\d+", name):
+            raise ValueError(f"tag name {name!r} would be ambiguous in a ref; use e.g. 'nightly-2026-11-22'")
+        table_name, snapshot_id = self.resolve(self._ref(table, version))
+        if snapshot_id is None:
+            raise UnknownRef(f"ref {self._ref(table, version)!r}: table {table_name!r} has no snapshot to tag")
+        tbl = self._tables[table_name]
+        for attempt in _retrying():
+            with attempt:
+                tbl.refresh()
+                existing = tbl.metadata.refs.get(name)
+                if existing is not None and existing.snapshot_ref_type != SnapshotRefType.TAG:
+                    raise CatalogError(f"{name!r} is a branch of table {table_name!r}, not a tag")
+                if existing is None or existing.snapshot_id != snapshot_id:
+                    with tbl.manage_snapshots() as manage:
+                        manage.create_tag(snapshot_id, name)
+        return snapshot_id
+
+    def diff(self, table: str, a: int | str | None, b: int | str | None) -> TableDiff:
+        """Compare two versions on the table's key column.
+
+        Columns that exist in only one of the versions (schema evolution) are not compared.
+        """
+        key = record_model(table).key
+        name_a, id_a = self.resolve(self._ref(table, a))
+        _, id_b = self.resolve(self._ref(table, b))
+        df_a = self._scan(name_a, id_a).collect()
+        df_b = self._scan(name_a, id_b).collect()
+        added = df_b.join(df_a.select(key), on=key, how="anti")
+        removed = df_a.join(df_b.select(key), on=key, how="anti")
+        common = [c for c in df_a.columns if c in df_b.columns and c != key]
+        both = df_a.select(key, *common).join(df_b.select(key, *common), on=key, how="inner", suffix="__b")
+        if common:
+            differs = pl.any_horizontal([pl.col(c).ne_missing(pl.col(f"{c}__b")) for c in common])
+            changed = both.filter(differs).get_column(key).sort().to_list()
+        else:
+            changed = []
+        return TableDiff(table=table, a=id_a, b=id_b, key=key, added=added, removed=removed, changed=changed)
