@@ -1,0 +1,287 @@
+"""The one way every stage calls a model: `Gateway.chat(prompt.render(...))`.
+
+The same call serves a laptop (the embedded SmolLM2 in-process) and a cluster (named
+OpenAI-compatible endpoints); the configuration decides which model answers. Around
+each request the gateway adds what a data factory needs:
+
+- the response cache, so a rerun of a stage makes no model call it already made;
+- screenshots as OCR text plus accessibility tree for a model that cannot see them,
+  and a record that says which observation the model got;
+- strict structured output with at most one re-ask, failures kept with the raw answer;
+- a `CallRecord` per request (template and version, model, sampling, tokens, latency)
+  and running totals (`stats`) whose `models` and `prompts` go into snapshot lineage.
+
+It is async; synchronous callers (the Playwright rollout loop) use `chat_sync`, which
+runs the call on the gateway's own event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, SecretStr
+
+from data.blobs import BlobCorrupted, BlobMissing, BlobStore
+from data.catalog import Catalog
+from llm import ocr
+from llm.cache import ResponseCache, cache_key
+from llm.calls import CallRecord, ChatResult, Completion, GatewayError, Sampling
+from llm.local import LocalBackend
+from llm.messages import ImagePart, Message, TextPart
+from llm.prompts import RenderedPrompt, load_prompt
+from llm.remote import BackendError, OpenAIBackend
+from llm.structured import ParseError, parse
+from schemas.config import EndpointSettings, LLMSettings, Settings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=BaseModel)
+Backend = LocalBackend | OpenAIBackend
+
+
+@dataclass
+class GatewayStats:
+    """Running totals of one gateway, for a stage's counts and its snapshot lineage."""
+
+    calls: int = 0
+    cache_hits: int = 0
+    errors: int = 0
+    reasks: int = 0
+    parse_failures: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    models: dict[str, str] = field(default_factory=dict)  # name -> model id, for Lineage.models
+    prompts: dict[str, str] = field(default_factory=dict)  # template -> version, for Lineage.prompts
+
+
+def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:
+    """The endpoint's key: given in the config, or read from the environment variable it names."""
+    if endpoint.api_key is not None or endpoint.api_key_env is None:
+        return endpoint.api_key
+    value = os.environ.get(endpoint.api_key_env)
+    if not value:
+        raise ValueError(f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} is not set")
+    return SecretStr(value)
+
+
+class Gateway:
+    """Models by name ('local' and the configured endpoints), with cache, records and re-asks.
+
+    `db_url` is the catalog's database, where the response cache lives (None: no cache);
+    `blobs` resolves images given by hash.
+    """
+
+    def __init__(self, settings: LLMSettings, *, db_url: str | None = None, blobs: BlobStore | None = None) -> None:
+        self.settings = settings
+        self.blobs = blobs
+        self.backends: dict[str, Backend] = {"local": LocalBackend(settings.local)}
+        for name, endpoint in settings.endpoints.items():
+            self.backends[name] = OpenAIBackend(name, endpoint, _api_key(name, endpoint))
+        self.cache = ResponseCache(db_url) if settings.cache and db_url else None
+        self.stats = GatewayStats()
+        self._reask = load_prompt("reask")
+        self._thread: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
+        self._thread_lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Gateway:
+        """The gateway of a configuration, its cache in the catalog database and its blobs in the warehouse."""
+        with Catalog.from_settings(settings.warehouse) as catalog:
+            return cls(settings.llm, db_url=catalog.uri, blobs=BlobStore(catalog.warehouse / "blobs"))
+
+    # ------------------------------------------------------------------ calls
+
+    async def chat(
+        self,
+        prompt: RenderedPrompt,
+        *,
+        model: str | None = None,
+        sampling: Sampling | None = None,
+        schema: type[T] | None = None,
+    ) -> ChatResult[T]:
+        """Ask `model` (default: the configured default) and, given a `schema`, parse the answer.
+
+        Raises GatewayError when no answer came back after the endpoint's retries; an answer
+        that does not parse is not an error: the result keeps the raw text and `parse_error`.
+        """
+        name = model or self.settings.default
+        if name not in self.backends:
+            raise ValueError(f"no model named {name!r} (configured: {', '.join(self.backends)})")
+        if schema is not None and prompt.format == "text":
+            raise ValueError(
+                f"{prompt.template}@{prompt.version} declares format 'text'; a schema needs 'json' or 'tool_call'"
+            )
+        sampling = sampling or prompt.sampling
+        record = await self._call(name, prompt, list(prompt.messages), sampling, reask=False)
+        if schema is None:
+            return ChatResult(record.text, None, None, (record,))
+        parsed, error = self._parse(record, prompt, schema, sampling)
+        calls = [record.model_copy(update={"parse_error": error})]
+        if error and self.settings.reask:
+            self.stats.reasks += 1
+            self.stats.prompts[self._reask.name] = self._reask.version
+            follow = self._reask.render(
+                error=error, format=prompt.format, schema=json.dumps(schema.model_json_schema())
+            )
+            messages = [
+                *prompt.messages,
+                Message(role="assistant", content=[TextPart(text=record.text)]),
+                *follow.messages,
+            ]
+            record = await self._call(name, prompt, messages, sampling, reask=True)
+            parsed, error = self._parse(record, prompt, schema, sampling)
+            calls.append(record.model_copy(update={"parse_error": error}))
+        if error:
+            self.stats.parse_failures += 1
+            logger.info("%s@%s on %s: answer kept unparsed: %s", prompt.template, prompt.version, name, error)
+        return ChatResult(calls[-1].text, parsed, error, tuple(calls))
+
+    def chat_sync(self, prompt: RenderedPrompt, **options: Any) -> ChatResult[Any]:
+        """`chat` for synchronous code; blocks until the answer is there."""
+        return self._run(self.chat(prompt, **options))
+
+    @staticmethod
+    def _parse(
+        record: CallRecord, prompt: RenderedPrompt, schema: type[T], sampling: Sampling
+    ) -> tuple[T | None, str | None]:
+        try:
+            return parse(record.text, prompt.format, schema), None
+        except ParseError as exc:
+            cut = (
+                f" (the answer was cut off at max_tokens={sampling.max_tokens})"
+                if record.finish_reason == "length"
+                else ""
+            )
+            return None, f"{exc}{cut}"
+
+    async def _call(
+        self, name: str, prompt: RenderedPrompt, messages: list[Message], sampling: Sampling, *, reask: bool
+    ) -> CallRecord:
+        backend = self.backends[name]
+        start = time.perf_counter()
+        mode = ocr.observation_mode(messages, backend.sees_images)
+        observation = f"{mode}:{ocr.engine_id()}" if mode.startswith("ocr") else mode
+        key = cache_key(backend.model_id, prompt.template, prompt.version, messages, sampling, observation)
+        about: dict[str, Any] = dict(
+            template=prompt.template,
+            template_version=prompt.version,
+            model=name,
+            model_id=backend.model_id,
+            backend=backend.kind,
+            observation_mode=mode,
+            sampling=sampling,
+            cache_key=key,
+            reask=reask,
+        )
+        self.stats.models[name] = backend.model_id
+        self.stats.prompts[prompt.template] = prompt.version
+        answer = await asyncio.to_thread(self.cache.get, key) if self.cache else None
+        cached = answer is not None
+        if answer is None:
+            answer = await self._ask(backend, messages, sampling, mode, about, start)
+            if self.cache:
+                await asyncio.to_thread(self.cache.put, key, backend.model_id, prompt.template, prompt.version, answer)
+        record = CallRecord(
+            **about,
+            cached=cached,
+            attempts=answer.attempts,
+            tokens_in=answer.tokens_in,
+            tokens_out=answer.tokens_out,
+            latency_ms=(time.perf_counter() - start) * 1000,
+            finish_reason=answer.finish_reason,
+            text=answer.text,
+        )
+        self.stats.calls += 1
+        self.stats.cache_hits += cached
+        self.stats.tokens_in += answer.tokens_in or 0
+        self.stats.tokens_out += answer.tokens_out or 0
+        logger.debug(
+            "%s@%s on %s: %s tokens in, %s out, %.0f ms%s",
+            prompt.template,
+            prompt.version,
+            name,
+            record.tokens_in,
+            record.tokens_out,
+            record.latency_ms,
+            " (cached)" if cached else "",
+        )
+        return record
+
+    async def _ask(
+        self,
+        backend: Backend,
+        messages: list[Message],
+        sampling: Sampling,
+        mode: str,
+        about: dict[str, Any],
+        start: float,
+    ) -> Completion:
+        """The backend's answer; a failure becomes a GatewayError whose record says why."""
+        try:
+            if mode != "text":  # images are read (and OCR'd) only now, on a cache miss, off the event loop
+                messages = await asyncio.to_thread(self._show, messages, mode)
+            return await backend.complete(messages, sampling)
+        except (BackendError, BlobMissing, BlobCorrupted) as exc:
+            record = CallRecord(
+                **about,
+                cached=False,
+                attempts=getattr(exc, "attempts", 0),
+                latency_ms=(time.perf_counter() - start) * 1000,
+                error=str(exc),
+            )
+            self.stats.errors += 1
+            logger.warning(
+                "%s@%s on %s failed: %s", record.template, record.template_version, record.model, record.error
+            )
+            raise GatewayError(record) from exc
+
+    def _show(self, messages: list[Message], mode: str) -> list[Message]:
+        """The messages as the model will see them: image bytes read, or images rendered as text."""
+        with_bytes = [
+            m.model_copy(
+                update={"content": [p.with_bytes(self.blobs) if isinstance(p, ImagePart) else p for p in m.content]}
+            )
+            for m in messages
+        ]
+        return ocr.as_text(with_bytes) if mode.startswith("ocr") else with_bytes
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        with self._thread_lock:
+            if self._thread is None:
+                loop = asyncio.new_event_loop()
+                self._thread = (loop, threading.Thread(target=loop.run_forever, name="llm-gateway", daemon=True))
+                self._thread[1].start()
+        return asyncio.run_coroutine_threadsafe(coro, self._thread[0]).result()
+
+    async def aclose(self) -> None:
+        """Close the connections this event loop opened."""
+        for backend in self.backends.values():
+            await backend.aclose()
+
+    def close(self) -> None:
+        """Close connections, the background loop `chat_sync` used, and the cache's database pool."""
+        if self._thread is not None:
+            self._run(self.aclose())
+            loop, thread = self._thread
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+            self._thread = None
+        if self.cache:
+            self.cache.close()
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

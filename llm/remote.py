@@ -1,0 +1,150 @@
+"""Any OpenAI-compatible endpoint (vLLM, SGLang, Ollama, hosted APIs) through the `openai` package.
+
+Concurrency is bounded per endpoint, so a nightly run with thousands of requests keeps
+a server busy without drowning it; a 429, a 5xx, a timeout or a lost connection is
+retried with jittered exponential backoff (tenacity; the openai client's own retries
+are off, so there is one retry policy, the configured one). A slot is held only while a
+request is in flight, never during a backoff wait.
+
+The client and its slots belong to one event loop: a gateway used from several loops
+(a sync caller's background loop, each `asyncio.run` of a test) gets one of each per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import weakref
+
+import openai
+from openai.types.chat import ChatCompletion
+from pydantic import SecretStr
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from llm.calls import Completion, Sampling
+from llm.messages import ImagePart, Message
+from schemas.config import EndpointSettings
+
+logger = logging.getLogger(__name__)
+
+# 429, 5xx, and lost connections including timeouts (APITimeoutError is an APIConnectionError).
+RETRIED = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError)
+
+
+class BackendError(Exception):
+    """A request that got no usable answer; `attempts` counts the tries made."""
+
+    def __init__(self, message: str, attempts: int) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
+def _wire(message: Message) -> dict[str, object]:
+    """A message as the OpenAI API takes it: plain text content unless there are images."""
+    if not message.images:
+        return {"role": message.role, "content": message.text}
+    parts = [
+        {"type": "image_url", "image_url": {"url": p.data_url()}}
+        if isinstance(p, ImagePart)
+        else {"type": "text", "text": p.text}
+        for p in message.content
+    ]
+    return {"role": message.role, "content": parts}
+
+
+class OpenAIBackend:
+    kind = "openai"
+
+    def __init__(self, name: str, settings: EndpointSettings, api_key: SecretStr | None) -> None:
+        self.name = name
+        self.settings = settings
+        self.model_id = settings.model
+        self.sees_images = settings.vision
+        self._api_key = api_key
+        self._sessions: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[openai.AsyncOpenAI, asyncio.Semaphore]
+        ] = weakref.WeakKeyDictionary()
+
+    def _session(self) -> tuple[openai.AsyncOpenAI, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        if loop not in self._sessions:
+            client = openai.AsyncOpenAI(
+                base_url=self.settings.base_url,
+                # Servers without auth (a local vLLM) still need a non-empty key for the client.
+                api_key=self._api_key.get_secret_value() if self._api_key else "none",
+                timeout=self.settings.timeout_s,
+                max_retries=0,
+            )
+            self._sessions[loop] = (client, asyncio.Semaphore(self.settings.max_concurrency))
+        return self._sessions[loop]
+
+    async def complete(self, messages: list[Message], sampling: Sampling) -> Completion:
+        client, slots = self._session()
+        params: dict[str, object] = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+        }
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        if sampling.stop:
+            params["stop"] = list(sampling.stop)
+        wire = [_wire(m) for m in messages]
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(RETRIED),
+            stop=stop_after_attempt(self.settings.max_retries + 1),
+            wait=wait_random_exponential(multiplier=self.settings.backoff_s, max=60),
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        attempts = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    async with slots:
+                        response = await client.chat.completions.create(model=self.model_id, messages=wire, **params)  # type: ignore[arg-type, call-overload]
+        # The client lets the JSONDecodeError of a malformed body through: it is the server's fault, recorded alike.
+        except (openai.OpenAIError, json.JSONDecodeError) as exc:
+            raise BackendError(
+                f"endpoint {self.name} ({self.settings.base_url}): {type(exc).__name__}: {exc}", attempts
+            ) from exc
+        if not isinstance(response, ChatCompletion) or not response.choices:
+            raise BackendError(
+                f"endpoint {self.name} ({self.settings.base_url}) answered no chat completion: {str(response)[:200]}",
+                attempts,
+            )
+        choice = response.choices[0]
+        usage = response.usage
+        return Completion(
+            text=choice.message.content or "",
+            finish_reason=choice.finish_reason or "unknown",
+            tokens_in=usage.prompt_tokens if usage else None,
+            tokens_out=usage.completion_tokens if usage else None,
+            attempts=attempts,
+        )
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        wait = state.next_action.sleep if state.next_action else 0.0
+        logger.warning(
+            "endpoint %s: attempt %d failed (%s: %s); retrying in %.2f s",
+            self.name,
+            state.attempt_number,
+            type(exc).__name__,
+            exc,
+            wait,
+        )
+
+    async def aclose(self) -> None:
+        """Close this loop's connections."""
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session[0].close()
