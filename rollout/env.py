@@ -1,0 +1,743 @@
+"""A headless Chromium environment: screenshots and accessibility trees in, pixel actions out.
+
+Playwright's sync API allows one driver per thread and blocks that thread on every
+call, so N parallel environments would need N drivers and N browsers. Instead a
+`BrowserHost` runs one async Playwright driver and one Chromium (Debian's, never a
+downloaded one) on an asyncio loop in a thread of its own; every `BrowserEnv` is one
+browser context on it, and its methods are plain blocking calls from any thread. Calls
+of different envs overlap on the loop: while one waits for a frame to screenshot,
+another clicks.
+
+A reset reuses the env's page (about 0.15 s; a new context costs 0.2-0.5 s and a new
+browser seconds, shared/FACTS.md) and clears what could leak between episodes:
+cookies, storage of the origins visited, history. The observation's three CDP calls
+(screenshot, accessibility tree, DOM snapshot for element boxes) run concurrently on a
+persistent CDP session, so the tree and the boxes cost almost nothing beside the
+screenshot's wait for a frame.
+
+Failures are split in two. An action the agent got wrong (unknown type, a point off
+the screen, a key that does not exist) is returned by `act` as an error string: it is
+data for the step row. A failure of the browser or the app (crash, timeout, server
+down) raises `EnvFault` with its kind: the episode is not the agent's to blame, and the
+env recovers at the next reset (a new context, and a new browser if it died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import inspect
+import struct
+import threading
+import time
+from collections.abc import Awaitable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+from playwright._impl._async_base import AsyncBase  # the base of every async API object
+from playwright.async_api import (
+    Browser,
+    BrowserContext,
+    CDPSession,
+    Page,
+    async_playwright,
+)
+from playwright.async_api import Error as PlaywrightError
+from playwright.async_api import TimeoutError as PlaywrightTimeoutError
+
+from rollout import actions
+from rollout.apps import SESSION_COOKIE
+
+T = TypeVar("T")
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    # Without these Chromium tries to reach the internet and fails noisily (FACTS.md).
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+VIEWPORTS: dict[str, dict[str, Any]] = {
+    "mobile": {"viewport": {"width": 412, "height": 915}, "is_mobile": True, "has_touch": True,
+               "device_scale_factor": 1},
+    "desktop": {"viewport": {"width": 1280, "height": 800}, "is_mobile": False, "has_touch": False,
+                "device_scale_factor": 1},
+}
+"""Device scale factor 1 everywhere, so screenshot pixels are CSS pixels and action
+coordinates need no conversion."""
+
+INTERACTIVE_ROLES = {
+    "button", "link", "checkbox", "radio", "textbox", "searchbox", "combobox", "spinbutton", "slider",
+    "switch", "tab", "menuitem", "menuitemcheckbox", "menuitemradio", "option", "listbox", "treeitem",
+}
+_UNNAMED_NOISE = {"generic", "none", "LabelText", "Legend", "paragraph", "StaticText", "InlineTextBox", "div"}
+_NEVER_SHOWN = {"InlineTextBox", "ListMarker"}  # text fragments and bullets: noise for a reader
+_SHOWN_STATES = ("checked", "selected", "expanded", "disabled", "focused", "level")
+# Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
+_APP_STORAGE = "local_storage,indexeddb,websql,cache_storage,service_workers,file_systems"
+# How a dead server shows in Playwright's and Chromium's errors.
+_SERVER_DOWN = ("ECONNREFUSED", "ECONNRESET", "ERR_CONNECTION_REFUSED", "ERR_CONNECTION_RESET",
+                "ERR_EMPTY_RESPONSE", "ERR_CONNECTION_CLOSED", "socket hang up")
+
+Box = tuple[float, float, float, float]
+"""x, y, width, height in screenshot pixels (the viewport's CSS pixels)."""
+
+FaultKind = Literal["browser_crash", "timeout", "app_down", "other"]
+
+
+class EnvFault(RuntimeError):
+    """The browser or the app failed, not the agent: browser_crash (the browser or the
+    page's renderer died, or its context was closed), timeout (a navigation or a call did
+    not finish in time), app_down (the app's server refused, dropped or failed a request)
+    or other."""
+
+    def __init__(self, message: str, kind: FaultKind = "other") -> None:
+        super().__init__(message)
+        self.kind: FaultKind = kind
+
+
+@dataclass(frozen=True)
+class Element:
+    """An element of the accessibility tree, with its box when it has a layout."""
+
+    role: str
+    name: str
+    box: Box | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a policy sees: the screenshot (PNG) and the page's accessibility tree with boxes."""
+
+    png: bytes
+    width: int
+    height: int
+    url: str
+    title: str
+    ax_tree: str
+    focused: Element | None = None
+    """The focused element, when it is not the page itself: a `type` or `key` action's target."""
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (no decoding)."""
+    if png[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("not a PNG")
+    width, height = struct.unpack(">II", png[16:24])
+    return width, height
+
+
+def _value(field: dict[str, Any] | None) -> Any:
+    return (field or {}).get("value")
+
+
+def layout_boxes(snapshot: dict[str, Any]) -> dict[int, Box]:
+    """Viewport boxes by backend DOM node id, from one `DOMSnapshot.captureSnapshot` of the main frame.
+
+    The snapshot's layout bounds are document coordinates; subtracting the scroll offset
+    gives what the screenshot shows (what `locator.bounding_box()` reports).
+    """
+    doc = snapshot["documents"][0]
+    backend_ids = doc["nodes"]["backendNodeId"]
+    sx, sy = doc.get("scrollOffsetX", 0), doc.get("scrollOffsetY", 0)
+    boxes: dict[int, Box] = {}
+    for index, (x, y, w, h) in zip(doc["layout"]["nodeIndex"], doc["layout"]["bounds"], strict=True):
+        boxes.setdefault(backend_ids[index], (x - sx, y - sy, w, h))  # the first layout object is the element's
+    return boxes
+
+
+def format_box(box: Box) -> str:
+    return "({},{},{},{})".format(*(round(v) for v in box))
+
+
+def render_ax_tree(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None
+                   ) -> tuple[str, Element | None]:
+    """Indented `role "name" [states]: value (x,y,w,h)` lines of the non-ignored nodes, and the focused node.
+
+    Ignored nodes are skipped but their children kept (one level up); unnamed layout
+    nodes (generic, paragraph, label wrappers) and text that repeats its parent's name
+    are dropped, so the tree reads like what a person sees. The box, where the node has
+    a layout, is where it is on the screenshot (off-screen boxes say how far to scroll).
+    """
+    boxes = boxes or {}
+    by_id = {n["nodeId"]: n for n in nodes}
+    roots = [n for n in nodes if not n.get("parentId") or n["parentId"] not in by_id]
+    lines: list[str] = []
+    focused: Element | None = None
+
+    def visit(node: dict[str, Any], depth: int, parent_name: str) -> None:
+        nonlocal focused
+        role = _value(node.get("role")) or ""
+        name = str(_value(node.get("name")) or "").strip()
+        shown = not node.get("ignored") and role not in _NEVER_SHOWN
+        if shown and not name and role in _UNNAMED_NOISE:
+            shown = False
+        if shown and role == "StaticText" and name == parent_name:
+            shown = False
+        if shown:
+            props = {p["name"]: _value(p.get("value")) for p in node.get("properties", [])}
+            states = []
+            for key in _SHOWN_STATES:
+                val = props.get(key)
+                if key == "level" and val is not None and role == "heading":
+                    states.append(f"level={val}")
+                elif key == "level":
+                    continue
+                elif val == "mixed":
+                    states.append(f"{key}=mixed")
+                elif val in (True, "true"):
+                    states.append(key)
+            box = boxes.get(node.get("backendDOMNodeId", -1))
+            if props.get("focused") and role != "RootWebArea":
+                focused = Element(role, name, box)
+            text = f'{"text" if role == "StaticText" else role} "{name}"' if name else role
+            text += "".join(f" [{s}]" for s in states)
+            value = _value(node.get("value"))
+            if value not in (None, "") and role not in ("StaticText", "link"):
+                text += f": {value}"
+            if box is not None:
+                text += " " + format_box(box)
+            lines.append("  " * depth + text)
+        for child_id in node.get("childIds", []):
+            if child_id in by_id:
+                visit(by_id[child_id], depth + 1 if shown else depth, name if shown and name else parent_name)
+
+    for root in roots:
+        visit(root, 0, "")
+    return "\n".join(lines), focused
+
+
+class BrowserHost:
+    """One Chromium and the asyncio loop that drives it, on a thread of its own.
+
+    `run` executes a coroutine on the loop and blocks the calling thread until it is
+    done, so any number of threads can drive their envs at once. `browser()` relaunches
+    Chromium when the last one died (a crash, a kill): a crash costs the episodes that
+    were running, not the host.
+    """
+
+    def __init__(self, chromium: Path = CHROMIUM) -> None:
+        if not Path(chromium).exists():
+            raise FileNotFoundError(f"Chromium not found at {chromium} (apt-get install chromium)")
+        self.chromium = Path(chromium)
+        self._browser: Browser | None = None
+        self._lock = asyncio.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="browser-host", daemon=True)
+        self._thread.start()
+        try:
+            self._playwright = self.run(async_playwright().start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the host's loop and wait for its result (from any thread but the loop's)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BrowserHost.run called from its own loop: await the coroutine instead")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def browser(self) -> Browser:
+        """The live browser, launched on first use or after the last one died."""
+        async with self._lock:
+            if self._browser is None or not self._browser.is_connected():
+                self._browser = await self._playwright.chromium.launch(
+                    executable_path=str(self.chromium), args=CHROMIUM_ARGS)
+            return self._browser
+
+    def close(self) -> None:
+        """Close the browser, stop the driver and the loop; safe to call twice."""
+        if not self._thread.is_alive():
+            return
+
+        async def stop() -> None:
+            if self._browser is not None:
+                with contextlib.suppress(PlaywrightError):  # already gone
+                    await self._browser.close()
+            await self._playwright.stop()
+
+        try:
+            self.run(stop())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> BrowserHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Blocking:
+    """A blocking view of an async Playwright object (page, context, locator...), for
+    code outside the host's loop: tests and notebooks write `env.page.evaluate("scrollY")`."""
+
+    def __init__(self, target: Any, host: BrowserHost) -> None:
+        self._target, self._host = target, host
+
+    def _wrap(self, value: Any) -> Any:
+        return Blocking(value, self._host) if isinstance(value, AsyncBase) else value
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if inspect.iscoroutinefunction(value):
+            return lambda *args, **kwargs: self._wrap(self._host.run(value(*args, **kwargs)))
+        if callable(value):
+            return lambda *args, **kwargs: self._wrap(value(*args, **kwargs))
+        return self._wrap(value)
+
+
+class BrowserEnv:
+    """One browser context with a fixed viewport, driven by pixel actions of the viewport's space.
+
+    `start_url` is where `reset` goes unless it is given another; `apps` maps app names
+    to their start URLs for the `open` action. Without a `host` the env starts (and
+    closes) its own; an `EnvPool` shares one host between its envs. The methods block
+    and may be called from any thread, one call at a time per env. The browser context
+    opens at the first `reset`.
+    """
+
+    def __init__(
+        self,
+        start_url: str | None = None,
+        *,
+        viewport: Literal["mobile", "desktop"] = "mobile",
+        chromium: Path = CHROMIUM,
+        action_timeout_s: float = 10.0,
+        apps: dict[str, str] | None = None,
+        host: BrowserHost | None = None,
+    ) -> None:
+        if viewport not in VIEWPORTS:
+            raise ValueError(f"unknown viewport {viewport!r}; known: {', '.join(VIEWPORTS)}")
+        self.start_url = start_url
+        self.viewport = viewport
+        self.space = actions.space_for(viewport)
+        self.apps = dict(apps or {})
+        self.timeout_s = action_timeout_s
+        self.width = VIEWPORTS[viewport]["viewport"]["width"]
+        self.height = VIEWPORTS[viewport]["viewport"]["height"]
+        self._touch = VIEWPORTS[viewport]["has_touch"]
+        self._own_host = host is None
+        self._host = host or BrowserHost(chromium)
+        self._context: BrowserContext | None = None
+        self._page: Page | None = None
+        self._cdp: CDPSession | None = None
+        self._main_frame = ""
+        self._nav_done = asyncio.Event()
+        self._broken = False  # a fault happened: the next reset opens a new context
+        self._origins: set[str] = set()  # origins the context visited, cleared at reset
+        self._seen: tuple[list[dict[str, Any]], dict[int, Box]] = ([], {})  # the last observation's tree and boxes
+        self._origin: str | None = None
+        self._home = "about:blank"
+        self._closed = False
+
+    # --- running on the host's loop ---------------------------------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        """Run one env operation on the host; browser and app failures become EnvFault.
+
+        The deadline covers CDP calls, which have no timeout of their own, plus the
+        longest wait an action may ask for.
+        """
+        try:
+            return self._host.run(asyncio.wait_for(coro, self.timeout_s + actions.MAX_SECONDS))
+        except (PlaywrightError, TimeoutError, EnvFault) as exc:
+            fault = self.fault(exc, what)
+            if fault is exc:
+                raise
+            raise fault from exc
+
+    def fault(self, exc: BaseException, what: str = "") -> EnvFault:
+        """A failure of this env's browser or app as an EnvFault with its kind.
+
+        For the env's own calls and for code that drives the page itself (a policy that
+        reads it); the env opens a new context at the next reset.
+        """
+        self._broken = True
+        if isinstance(exc, EnvFault) and exc.kind != "other":
+            return exc
+        text = str(exc) or type(exc).__name__
+        message = f"{what} failed: {text.splitlines()[0]}" if what else text.splitlines()[0]
+        if self._browser_died():  # first: a dead browser also times out and drops connections
+            return EnvFault(message, "browser_crash")
+        if isinstance(exc, (PlaywrightTimeoutError, TimeoutError)):
+            return EnvFault(message, "timeout")
+        if any(s in text for s in _SERVER_DOWN):
+            return EnvFault(message, "app_down")
+        if "closed" in text or "crash" in text:  # the page or context closed, the renderer crashed
+            return EnvFault(message, "browser_crash")
+        return EnvFault(message, "other")
+
+    def _browser_died(self, grace_s: float = 3.0) -> bool:
+        """Whether the browser is gone. A dying browser fails calls ("Unable to capture
+        screenshot", "page closed") a moment before its disconnect arrives, so wait for
+        that moment: a fault blamed on the wrong cause, or a rerun started on the dying
+        browser, would follow. On two loaded cores the disconnect has been seen to take
+        more than half a second; faults are rare, so waiting longer costs little."""
+        deadline = time.monotonic() + grace_s
+        while self._browser_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _browser_alive(self) -> bool:
+        browser = self._context.browser if self._context is not None else None
+        return browser is not None and browser.is_connected()
+
+    async def _open(self) -> None:
+        """A fresh context, page and CDP session on the host's live browser."""
+        browser = await self._host.browser()
+        options = {**VIEWPORTS[self.viewport], "viewport": {"width": self.width, "height": self.height}}
+        self._context = await browser.new_context(**options)
+        self._context.set_default_timeout(self.timeout_s * 1000)
+        self._page = await self._context.new_page()
+        self._cdp = await self._context.new_cdp_session(self._page)
+        self._main_frame = (await self._cdp.send("Page.getFrameTree"))["frameTree"]["frame"]["id"]
+        self._nav_done.set()
+        # A page that dies while loading never finishes its navigation: stop waiting for it.
+        self._page.on("close", lambda _: self._nav_done.set())
+        self._page.on("crash", lambda _: self._nav_done.set())
+        self._cdp.on("Page.frameRequestedNavigation", self._on_nav_requested)
+        self._cdp.on("Page.frameNavigated", self._on_navigated)
+        self._cdp.on("Page.loadEventFired", self._on_nav_done)
+        self._cdp.on("Page.navigatedWithinDocument", self._on_nav_done)
+        # Also fires after the load event, and when a navigation ends without a new
+        # document (a 204, a download, a cancelled request): never wait for those.
+        self._cdp.on("Page.frameStoppedLoading", self._on_nav_done)
+        await self._cdp.send("Page.enable")
+        self._origins = set()
+        self._broken = False
+
+    # Navigation tracking: a click or key that submits a form requests a navigation
+    # before Playwright's input call returns; waiting for the next load event then costs
+    # nothing when no navigation was requested (most typing, swipes, radio clicks).
+    def _on_nav_requested(self, params: dict[str, Any]) -> None:
+        if params.get("frameId") == self._main_frame:
+            self._nav_done.clear()
+
+    def _on_navigated(self, params: dict[str, Any]) -> None:
+        parts = urlsplit(params["frame"].get("url", ""))
+        if parts.scheme in ("http", "https"):
+            self._origins.add(f"{parts.scheme}://{parts.netloc}")
+
+    def _on_nav_done(self, params: dict[str, Any]) -> None:
+        if params.get("frameId", self._main_frame) == self._main_frame:
+            self._nav_done.set()
+
+    async def _settle(self) -> None:
+        # A click's form submission is scheduled in the renderer after the input event
+        # returns; one renderer round trip (about 2-10 ms) lets its navigation request
+        # arrive (10 of 10 caught, against 6 of 10 without it, desktop clicks).
+        assert self._cdp is not None
+        with contextlib.suppress(PlaywrightError):  # the document went away: a navigation, flagged
+            await self._cdp.send("Runtime.evaluate", {"expression": "0"})
+        try:
+            await asyncio.wait_for(self._nav_done.wait(), self.timeout_s)
+        except TimeoutError:
+            self._nav_done.set()
+            raise EnvFault(f"navigation did not finish within {self.timeout_s:g} s ({self.url})", "timeout") from None
+        if self._page is None or self._page.is_closed():
+            raise EnvFault("the page closed while loading", "browser_crash")
+
+    # --- episode lifecycle ---------------------------------------------------------
+
+    def reset(self, session_id: str, start_url: str | None = None, *, app_protocol: bool = True) -> None:
+        """Start a fresh session on the start page.
+
+        Cookies and the storage of every origin the last episode visited are cleared,
+        and the page's history forgotten, so Back cannot reach the last episode. With
+        `app_protocol` (bundled apps) the app's session `tf_session=session_id` is reset
+        on its server (`POST /__reset`); pass False for pages that are not bundled apps
+        (MiniWoB++, any site), whose known state is the cleared browser. After a fault
+        the env first replaces its context (and the browser, if it died).
+        """
+        url = start_url or self.start_url
+        if not url:
+            raise ValueError("reset needs a start_url (none was given to BrowserEnv either)")
+        self._call(self._reset(session_id, url, app_protocol), "reset")
+
+    async def _reset(self, session_id: str, url: str, app_protocol: bool) -> None:
+        if self._broken or self._page is None or self._page.is_closed() or not self._browser_alive():
+            if self._context is not None:
+                with contextlib.suppress(PlaywrightError):  # the old one is dead already
+                    await self._context.close()
+            await self._open()
+        assert self._context is not None and self._page is not None and self._cdp is not None
+        parts = urlsplit(url)
+        self._home, self._origin = url, f"{parts.scheme}://{parts.netloc}"
+        clears: list[Awaitable[Any]] = [self._context.clear_cookies()]
+        for origin in self._origins:
+            clears.append(self._cdp.send("Storage.clearDataForOrigin", {"origin": origin, "storageTypes": _APP_STORAGE}))
+            # sessionStorage belongs to the tab, which is reused.
+            clears.append(self._cdp.send("DOMStorage.clear",
+                                         {"storageId": {"securityOrigin": origin, "isLocalStorage": False}}))
+        await asyncio.gather(*clears)
+        self._origins = {self._origin}
+        if app_protocol:
+            await self._context.add_cookies([{"name": SESSION_COOKIE, "value": session_id, "url": self._origin}])
+            response = await self._context.request.post(self._origin + "/__reset", timeout=self.timeout_s * 1000)
+            if not response.ok:
+                raise EnvFault(f"POST {self._origin}/__reset answered {response.status}", "app_down")
+        await self._page.goto(url, wait_until="load")
+        await self._cdp.send("Page.resetNavigationHistory")
+        self._nav_done.set()
+        self._seen = ([], {})
+
+    def observe(self) -> Observation:
+        """Screenshot and accessibility tree (with element boxes) of the current page.
+
+        Raises EnvFault (app_down) when the page is the browser's error page: the app's
+        server could not be reached.
+        """
+        return self._call(self._observe(), "observe")
+
+    async def _observe(self) -> Observation:
+        assert self._cdp is not None and self._page is not None
+        shot, tree, snapshot = await asyncio.gather(
+            self._cdp.send("Page.captureScreenshot", {"format": "png"}),
+            self._cdp.send("Accessibility.getFullAXTree"),
+            self._cdp.send("DOMSnapshot.captureSnapshot", {"computedStyles": []}),
+        )
+        doc, strings = snapshot["documents"][0], snapshot["strings"]
+        document_url = strings[doc["documentURL"]] if doc["documentURL"] >= 0 else ""
+        if document_url.startswith("chrome-error://"):
+            raise EnvFault(f"the page could not be loaded ({self._page.url})", "app_down")
+        png = base64.b64decode(shot["data"])
+        width, height = png_size(png)
+        boxes = layout_boxes(snapshot)
+        ax_tree, focused = render_ax_tree(tree["nodes"], boxes)
+        self._seen = (tree["nodes"], boxes)
+        title = strings[doc["title"]] if doc["title"] >= 0 else ""
+        return Observation(png, width, height, self._page.url, title, ax_tree, focused)
+
+    def act(self, action: dict[str, Any]) -> str | None:
+        """Execute one action; returns why it is invalid (nothing done), or None.
+
+        Waits until a navigation the action started has loaded. Raises EnvFault when the
+        browser or the app fails.
+        """
+        error = actions.validate(action, self.width, self.height, self.space)
+        if error:
+            return error
+        return self._call(self._act(actions.normalize(action, self.space)), str(action["type"]))
+
+    async def _act(self, action: dict[str, Any]) -> str | None:
+        try:
+            error = await self._execute(action)
+        except PlaywrightError as exc:
+            if "Unknown key" in str(exc):
+                return f"key: {str(exc).splitlines()[0]}"
+            raise
+        if action["type"] not in ("answer", "terminate", "wait"):
+            await self._settle()
+        return error
+
+    async def _execute(self, a: dict[str, Any]) -> str | None:
+        kind = a["type"]
+        page, cdp = self._page, self._cdp
+        assert page is not None and cdp is not None
+        if kind == "click" and self._touch:
+            await page.touchscreen.tap(a["x"], a["y"])
+        elif kind in ("click", "double_click", "right_click", "middle_click"):
+            button: Literal["left", "middle", "right"] = (
+                "right" if kind == "right_click" else "middle" if kind == "middle_click" else "left")
+            await page.mouse.click(a["x"], a["y"], button=button, click_count=2 if kind == "double_click" else 1)
+        elif kind == "mouse_move":
+            await page.mouse.move(a["x"], a["y"])
+        elif kind == "drag":
+            # Intermediate moves, so drag-and-drop code that follows mousemove sees the path.
+            await page.mouse.move(a["x"], a["y"])
+            await page.mouse.down()
+            await page.mouse.move(a["x2"], a["y2"], steps=10)
+            await page.mouse.up()
+        elif kind == "long_press":
+            hold_s = a.get("duration", 1.0)
+            if self._touch:
+                await cdp.send("Input.dispatchTouchEvent",
+                               {"type": "touchStart", "touchPoints": [{"x": a["x"], "y": a["y"]}]})
+                await asyncio.sleep(hold_s)
+                await cdp.send("Input.dispatchTouchEvent", {"type": "touchEnd", "touchPoints": []})
+            else:
+                await page.mouse.move(a["x"], a["y"])
+                await page.mouse.down()
+                await asyncio.sleep(hold_s)
+                await page.mouse.up()
+        elif kind in ("swipe", "scroll"):
+            # A synthesized scroll gesture moves the content by exactly the distance and
+            # returns when it is done (no fling), so the screen is still for the next
+            # screenshot; it arrives as wheel scrolling (synthesized touch gestures did not
+            # scroll these pages in headless Chromium, raw touch events fling an
+            # unpredictable distance). A swipe's distance is the finger's; a wheel's delta
+            # is the opposite of the content's movement.
+            if kind == "swipe":
+                dx, dy, seconds = a["x2"] - a["x"], a["y2"] - a["y"], a.get("duration", 0.3)
+            else:
+                dx, dy, seconds = -a.get("dx", 0), -a["dy"], 0.3
+            distance = max(abs(dx), abs(dy), 1)
+            await cdp.send("Input.synthesizeScrollGesture", {
+                "x": a["x"], "y": a["y"], "xDistance": dx, "yDistance": dy,
+                "speed": int(max(distance / max(seconds, 0.05), 200)),
+                "gestureSourceType": "mouse",
+            })
+        elif kind == "type":
+            if a.get("clear"):
+                await page.keyboard.press("ControlOrMeta+a")
+                await page.keyboard.press("Backspace")
+            await page.keyboard.type(a["text"])
+            if a.get("enter"):
+                await page.keyboard.press("Enter")
+        elif kind == "key":
+            await self._press_keys([actions.key_name(k) for k in a.get("keys") or [a["key"]]])
+        elif kind == "system_button":
+            if a["button"] == "Back":
+                await page.go_back(wait_until="load")
+            elif a["button"] == "Home":
+                await page.goto(self._home, wait_until="load")  # the episode's start page
+            elif a["button"] == "Enter":
+                await page.keyboard.press("Enter")
+            else:
+                return f"system_button: {a['button']} has no equivalent in a browser"
+        elif kind == "open":
+            urls = {name.casefold(): url for name, url in self.apps.items()}
+            url = urls.get(a["text"].strip().casefold())
+            if url is None:
+                return f"open: unknown app {a['text']!r}; known: {', '.join(self.apps) or '(none)'}"
+            await page.goto(url, wait_until="load")
+        elif kind == "wait":
+            await asyncio.sleep(a.get("seconds", 1.0))
+        # answer and terminate change nothing on the screen.
+        return None
+
+    async def _press_keys(self, keys: list[str]) -> None:
+        """Press the keys in order, release them in reverse (a chord: Control, Shift, t)."""
+        assert self._page is not None
+        pressed: list[str] = []
+        try:
+            for key in keys:
+                await self._page.keyboard.down(key)
+                pressed.append(key)
+        finally:  # an unknown key must not leave the ones before it held down
+            for key in reversed(pressed):
+                await self._page.keyboard.up(key)
+
+    # --- what checkers, recorders and reference policies read --------------------------
+
+    def app_state(self) -> dict[str, Any]:
+        """The app's state for this session (`GET /__state` with the session cookie)."""
+        if self._origin is None:
+            raise RuntimeError("app_state before reset")
+        return self._call(self._app_state(self._origin), "reading app state")
+
+    async def _app_state(self, origin: str) -> dict[str, Any]:
+        assert self._context is not None
+        response = await self._context.request.get(origin + "/__state", timeout=self.timeout_s * 1000)
+        if not response.ok:
+            raise EnvFault(f"GET {origin}/__state answered {response.status}", "app_down")
+        state: dict[str, Any] = await response.json()
+        return state
+
+    def element_at(self, x: float, y: float) -> Element | None:
+        """The control under a point, as the last observation saw it: the hit element or
+        its nearest interactive ancestor in that accessibility tree, with its box; None
+        where nothing resolves (or the page changed since)."""
+        return self._call(self._element_at(x, y), "finding the element at a point")
+
+    async def _element_at(self, x: float, y: float) -> Element | None:
+        assert self._cdp is not None
+        try:
+            # elementFromPoint takes viewport coordinates; DOM.getNodeForLocation took
+            # document coordinates here, which misses on a scrolled page.
+            found = await self._cdp.send("Runtime.evaluate", {"expression": f"document.elementFromPoint({x}, {y})"})
+            if "objectId" not in found["result"]:
+                return None  # nothing there
+            hit = (await self._cdp.send("DOM.describeNode", {"objectId": found["result"]["objectId"]}))["node"]
+        except PlaywrightError:
+            if not self._browser_alive():
+                raise
+            return None  # best effort: the page is between two documents
+        # The last observation's tree and boxes, not fresh ones: two round trips fewer a
+        # step, and the target is the element as the agent saw it.
+        nodes, boxes = self._seen
+        by_ax_id = {n["nodeId"]: n for n in nodes}
+        node = next((n for n in nodes if n.get("backendDOMNodeId") == hit["backendNodeId"]), None)
+        fallback: Element | None = None
+        while node is not None:
+            role = _value(node.get("role")) or ""
+            name = str(_value(node.get("name")) or "").strip()
+            box = boxes.get(node.get("backendDOMNodeId", -1))
+            if not node.get("ignored"):
+                if role in INTERACTIVE_ROLES:
+                    return Element(role, name, box)
+                if fallback is None and name and role not in ("RootWebArea", "InlineTextBox"):
+                    fallback = Element("text" if role == "StaticText" else role, name, box)
+            node = by_ax_id.get(node.get("parentId", ""))
+        return fallback
+
+    def find_element(self, role: str, name: str) -> list[Box]:
+        """Boxes (x, y, width, height, in screenshot pixels) of the visible elements with
+        exactly this role and accessible name: how a reference policy grounds a step."""
+        return self._call(self._find_element(role, name), f"finding {role} {name!r}")
+
+    async def _find_element(self, role: str, name: str) -> list[Box]:
+        assert self._page is not None
+        # One round trip for all matches (locator.all() + bounding_box() costs ~30 ms).
+        boxes = await self._page.get_by_role(role, name=name, exact=True).evaluate_all(  # type: ignore[arg-type]
+            "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })"
+        )
+        return [tuple(b) for b in boxes if b[2] > 0 and b[3] > 0]
+
+    def resize(self, width: int, height: int) -> None:
+        """Change the screen size (e.g. a short phone); actions are validated against it,
+        and it outlives resets."""
+        if self._page is not None:
+            self._call(self._page.set_viewport_size({"width": width, "height": height}), "resizing")
+        self.width, self.height = width, height
+
+    @property
+    def url(self) -> str:
+        return self._page.url if self._page is not None else ""
+
+    @property
+    def page(self) -> Any:
+        """The env's page, as a blocking view (for tests and notebooks)."""
+        return Blocking(self._page, self._host)
+
+    @property
+    def context(self) -> Any:
+        """The env's browser context, as a blocking view (for tests and notebooks)."""
+        return Blocking(self._context, self._host)
+
+    def close(self) -> None:
+        """Close the context (and the host, when the env started its own); safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._context is not None:
+                with contextlib.suppress(PlaywrightError):  # already gone (the browser crashed)
+                    self._host.run(self._context.close())
+        finally:
+            if self._own_host:
+                self._host.close()
+
+    def __enter__(self) -> BrowserEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,199 @@
+"""GUI-Owl's end-to-end policy (paper section 2.1): one model call per step.
+
+The system message holds the action space as one Qwen function (`mobile_use` or
+`computer_use`, with GUI-Owl's argument names: action, coordinate, coordinate2, text,
+time, ...); the user message holds the task, the optional guidance, the history, and
+the newest screenshots. The answer reasons, concludes, and calls the function. Only the
+conclusion enters the history, so long reasoning does not grow every later prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from llm import Gateway, ImagePart, load_prompt
+from rollout import actions
+from rollout.env import Observation
+from rollout.policy import PolicyOutput
+from schemas.records import Query
+
+PROMPT = "gui_owl_e2e"
+FUNCTIONS = {"mobile": "mobile_use", "desktop": "computer_use"}
+
+_DESCRIPTIONS = {
+    "key": "Press a key (key), e.g. Enter or Backspace.",
+    "click": "Click (tap) at coordinate.",
+    "long_press": "Press and hold at coordinate for time seconds.",
+    "swipe": "Swipe from coordinate to coordinate2 (scrolls the page the other way).",
+    "type": "Type text into the focused field.",
+    "answer": "Answer the user with text.",
+    "system_button": "Press a system button: Back, Home, Menu or Enter.",
+    "open": "Open the app named text.",
+    "wait": "Wait time seconds for the screen to change.",
+    "terminate": "End the task; status is success or failure.",
+    "mouse_move": "Move the pointer to coordinate.",
+    "drag": "Press at coordinate, drag to coordinate2 and release.",
+    "right_click": "Right-click at coordinate.",
+    "middle_click": "Middle-click at coordinate.",
+    "double_click": "Double-click at coordinate.",
+    "scroll": "Turn the mouse wheel at coordinate by dy pixels (positive shows what is below).",
+}
+_DESKTOP_DESCRIPTIONS = {
+    "key": "Press keys together, e.g. [\"ctrl\", \"a\"], released in reverse order.",
+    "type": "Type text; clear the field first if clear is true; press Enter after if enter is true.",
+}
+# Our flat argument -> GUI-Owl's argument name and JSON schema.
+_ARGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "x": ("coordinate", {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}),
+    "x2": ("coordinate2", {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}),
+    "text": ("text", {"type": "string"}),
+    "key": ("key", {"type": "string"}),
+    "keys": ("keys", {"type": "array", "items": {"type": "string"}}),
+    "button": ("button", {"enum": list(actions.SYSTEM_BUTTONS)}),
+    "status": ("status", {"enum": list(actions.TERMINATE_STATUSES)}),
+    "seconds": ("time", {"type": "number"}),
+    "duration": ("time", {"type": "number"}),
+    "clear": ("clear", {"type": "boolean"}),
+    "enter": ("enter", {"type": "boolean"}),
+    "dy": ("dy", {"type": "number"}),
+    "dx": ("dx", {"type": "number"}),
+}
+
+
+class ToolCall(BaseModel):
+    """The JSON inside <tool_call>: which function, with which arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: dict[str, Any]
+
+
+def action_lines(space: actions.Space) -> list[str]:
+    """`* click(coordinate): Click (tap) at coordinate.` for every action of the space."""
+    lines = []
+    for kind, (required, optional) in actions.SPACES[space].items():
+        names = [_ARGS[a][0] for a in (*required, *optional) if a in _ARGS]
+        text = (_DESKTOP_DESCRIPTIONS if space == "desktop" else {}).get(kind, _DESCRIPTIONS[kind])
+        lines.append(f"* {kind}({', '.join(dict.fromkeys(names))}): {text}")
+    return lines
+
+
+def tool_spec(space: actions.Space) -> str:
+    """The action space as one Qwen function definition, from the same table the validator uses."""
+    signatures = actions.SPACES[space]
+    properties: dict[str, Any] = {"action": {"enum": list(signatures)}}
+    for required, optional in signatures.values():
+        for arg in (*required, *optional):
+            if arg in _ARGS:
+                name, schema = _ARGS[arg]
+                properties.setdefault(name, schema)
+    function = {
+        "name": FUNCTIONS[space],
+        "description": "Act on the screen. Actions:\n" + "\n".join(action_lines(space)),
+        "parameters": {"type": "object", "properties": properties, "required": ["action"]},
+    }
+    return json.dumps({"type": "function", "function": function})
+
+
+def to_action(call: ToolCall, function: str) -> dict[str, Any]:
+    """GUI-Owl's function arguments as a flat action of our space; ValueError says what is wrong."""
+    if call.name != function:
+        raise ValueError(f"called {call.name!r}, not {function!r}")
+    args = dict(call.arguments)
+    kind = args.pop("action", None)
+    if not isinstance(kind, str):
+        raise ValueError("the call has no action")
+    action: dict[str, Any] = {"type": kind}
+    for name, (x, y) in (("coordinate", ("x", "y")), ("coordinate2", ("x2", "y2"))):
+        if name in args:
+            point = args.pop(name)
+            if not (isinstance(point, list) and len(point) == 2):
+                raise ValueError(f"{name} must be [x, y], got {point!r}")
+            action[x], action[y] = point
+    if "time" in args:
+        action["seconds" if kind == "wait" else "duration"] = args.pop("time")
+    action.update(args)
+    return action
+
+
+
+def to_call(action: dict[str, Any], function: str) -> dict[str, Any]:
+    """A flat action of our space as GUI-Owl's function call: the inverse of `to_action`, for training samples."""
+    args: dict[str, Any] = {"action": action["type"]}
+    for key, value in action.items():
+        if key in ("x", "x2"):
+            args["coordinate" if key == "x" else "coordinate2"] = [value, action["y" if key == "x" else "y2"]]
+        elif key in ("seconds", "duration"):
+            args["time"] = value
+        elif key not in ("type", "y", "y2"):
+            args[key] = value
+    return {"name": function, "arguments": args}
+
+_THINKING = re.compile(r"<thinking>(.*?)</thinking>", re.DOTALL)
+_CONCLUSION = re.compile(r"<conclusion>(.*?)</conclusion>", re.DOTALL)
+
+
+class GuiOwlPolicy:
+    """The end-to-end policy over the model gateway; any model the gateway knows can drive it."""
+
+    name = "gui_owl_e2e"
+
+    def __init__(self, gateway: Gateway, *, viewport: str, model: str | None = None, history_images: int = 1,
+                 guidance: dict[str, str] | None = None) -> None:
+        """`guidance` maps query ids to guidance texts (paper 6.4) given to those queries."""
+        self.gateway = gateway
+        self.model = model
+        self.space = actions.space_for(viewport)
+        self.history_images = history_images
+        self.guidance = guidance or {}
+        self.prompt = load_prompt(PROMPT)
+        self._tools = tool_spec(self.space)
+        self._model_id = model or "local"
+        self._task = ""
+        self._query_guidance: str | None = None
+        self._history: list[str] = []
+        self._screens: list[ImagePart] = []
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def prompt_version(self) -> str:
+        return f"{PROMPT}@{self.prompt.version}"
+
+    def reset(self, query: Query) -> None:
+        self._task = query.instruction
+        self._query_guidance = self.guidance.get(query.query_id)
+        self._history, self._screens = [], []
+
+    def act(self, observation: Observation, env: Any) -> PolicyOutput:
+        """One model call; an answer that is not a valid call is kept with why, as an invalid step."""
+        self._screens = [*self._screens, ImagePart(png=observation.png, ax_tree=observation.ax_tree)]
+        self._screens = self._screens[-self.history_images:]
+        function = FUNCTIONS[self.space]
+        rendered = self.prompt.render(
+            platform=self.space, width=observation.width, height=observation.height, tools=self._tools,
+            function=function, task=self._task, guidance=self._query_guidance, history=self._history,
+            screenshots=self._screens,
+        )
+        result = self.gateway.chat_sync(rendered, model=self.model, schema=ToolCall)
+        self._model_id = result.record.model_id
+        text = result.text
+        thinking = _THINKING.search(text)
+        conclusion = _CONCLUSION.search(text)
+        error = result.parse_error
+        action: dict[str, Any] = {}
+        if result.parsed is not None:
+            try:
+                action = to_action(result.parsed, function)
+            except ValueError as exc:
+                error = str(exc)
+        thought = thinking.group(1).strip() if thinking else text.split("<tool_call>")[0].strip()
+        summary = conclusion.group(1).strip() if conclusion else json.dumps(action) if action else "no valid action"
+        self._history.append(summary)
+        return PolicyOutput(action, thought, text, calls=result.calls, error=error)

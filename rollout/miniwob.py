@@ -1,0 +1,126 @@
+"""MiniWoB++ from the `miniwob` package: its HTML tasks served on loopback, as environments.
+
+Each task page generates a problem from a seed and scores the episode with its own
+JavaScript reward (`core.endEpisode`). A query names the task and the seed; the reset
+navigates to the task, seeds the generator and starts the episode, so the same query
+always shows the same problem; the checker reads the page's reward, not the screen.
+MiniWoB's default 10-second episode limit is lifted (`max_time_s`): a model-driven
+policy thinks for longer than a human, and a time-out would label the task, not the
+agent.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from rollout.env import BrowserEnv
+
+# Tasks that a pixel-level agent can do on one screen without timing tricks; the
+# default query set (30+ tasks of clicking, typing, choosing, forms and navigation).
+DEFAULT_TASKS: tuple[str, ...] = (
+    "click-button", "click-button-sequence", "click-checkboxes", "click-checkboxes-soft",
+    "click-collapsible", "click-collapsible-2", "click-dialog", "click-dialog-2", "click-link",
+    "click-menu-2", "click-option", "click-pie", "click-scroll-list", "click-shades", "click-shape",
+    "click-tab", "click-tab-2-easy", "click-test", "click-test-2", "click-widget", "choose-list",
+    "enter-date", "enter-password", "enter-text", "enter-text-2", "enter-time", "focus-text",
+    "focus-text-2", "login-user", "navigate-tree", "search-engine", "social-media", "use-spinner",
+    "email-inbox", "multi-layouts", "read-table",
+)
+
+_STATE_JS = """() => ({reward: WOB_REWARD_GLOBAL, raw_reward: WOB_RAW_REWARD_GLOBAL,
+  done: WOB_DONE_GLOBAL, reason: WOB_REWARD_REASON, utterance: core.getUtterance()})"""
+
+
+class MiniWoBError(ValueError):
+    """A task that the installed miniwob package does not have, or a malformed task URL."""
+
+
+def html_dir() -> Path:
+    try:
+        import miniwob
+    except ImportError:
+        raise MiniWoBError("MiniWoB++ needs the miniwob package: pip install miniwob") from None
+    return Path(miniwob.__file__).parent / "html"
+
+
+def known_tasks() -> list[str]:
+    return sorted(p.stem for p in (html_dir() / "miniwob").glob("*.html"))
+
+
+def check_tasks(tasks: list[str]) -> None:
+    unknown = sorted(set(tasks) - set(known_tasks()))
+    if unknown:
+        raise MiniWoBError(f"unknown MiniWoB++ task(s) {unknown}; the miniwob package has {len(known_tasks())}")
+
+
+class MiniWoBServer:
+    """The package's html folder served read-only on 127.0.0.1 (a free port)."""
+
+    def __init__(self, port: int = 0) -> None:
+        handler = functools.partial(_QuietHandler, directory=str(html_dir()))
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self.base_url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def task_url(self, task: str, seed: int) -> str:
+        return f"{self.base_url}/miniwob/{task}.html?seed={seed}"
+
+    def __enter__(self) -> MiniWoBServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+        """Request lines would flood the rollout's log."""
+
+
+def task_and_seed(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    seeds = parse_qs(parts.query).get("seed")
+    if not parts.path.startswith("/miniwob/") or not parts.path.endswith(".html") or not seeds:
+        raise MiniWoBError(f"not a MiniWoB++ task URL with a seed: {url!r}")
+    return parts.path.removeprefix("/miniwob/").removesuffix(".html"), int(seeds[0])
+
+
+class MiniWoBEnv:
+    """A BrowserEnv on MiniWoB++ pages: seeded reset, and the page's reward as the app state."""
+
+    def __init__(self, env: BrowserEnv, *, max_time_s: float = 600.0) -> None:
+        self.env = env
+        self.max_time_ms = int(max_time_s * 1000)
+
+    def reset(self, session_id: str, start_url: str | None = None) -> str:
+        """Load the task, seed its generator and start the episode; returns the utterance."""
+        url = start_url or self.env.start_url or ""
+        _, seed = task_and_seed(url)
+        self.env.reset(session_id, url, app_protocol=False)
+        return self.env.page.evaluate(
+            f"""() => {{ Math.seedrandom({seed}); core.EPISODE_MAX_TIME = {self.max_time_ms};
+                core.startEpisodeReal(); return core.getUtterance(); }}"""
+        )
+
+    def app_state(self) -> dict[str, Any]:
+        """The episode's reward as the page's JavaScript computed it."""
+        return self.env.page.evaluate(_STATE_JS)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
+def check_reward(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+    """Success when the page ended the episode with a positive raw reward."""
+    if not state.get("done"):
+        return False, "the task did not end: no reward"
+    raw = state.get("raw_reward", 0)
+    reason = f" ({state['reason']})" if state.get("reason") else ""
+    return raw > 0, f"reward {raw:g}{reason}"
