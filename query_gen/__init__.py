@@ -1,0 +1,1 @@
+"""Query generation: app page graphs (networkx), path sampling, instruction synthesis."""

@@ -1,0 +1,103 @@
+"""Path sampling on a page graph and template instructions (paper 6.2, steps 1-3).
+
+Paths run from the start page to a goal page. Sampling is seeded and weighted toward
+paths through rarely used transitions, so a small budget still covers the graph instead
+of repeating its shortest route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import networkx as nx
+
+from query_gen.graph import AppSpec, placeholders
+
+TEMPLATE_GENERATOR = "template@1"
+
+
+@dataclass(frozen=True)
+class SampledTask:
+    """A path with its slot values: everything a query, its replay and its checker need."""
+
+    app: str
+    path: tuple[str, ...]
+    slots: tuple[tuple[str, str], ...]
+    instruction: str
+    checker: str
+    checker_params: tuple[tuple[str, str], ...]
+    reference_steps: int
+
+    @property
+    def query_id(self) -> str:
+        payload = json.dumps([self.app, self.path, self.slots, self.instruction])
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _slots_used(spec: AppSpec, path: list[str]) -> set[str]:
+    """Slots that the path's actions, urls or goal mention: only those get values."""
+    g = spec.graph()
+    used: set[str] = set()
+    for u, v in zip(path, path[1:]):
+        for action in g.edges[u, v]["transition"].actions:
+            used |= placeholders(action.name or "") | placeholders(action.text or "")
+    for page_id in path:
+        page = spec.pages[page_id]
+        used |= placeholders(page.url)
+        if page.goal and page_id == path[-1]:
+            used |= placeholders(page.goal.instruction)
+            for value in page.goal.params.values():
+                used |= placeholders(value)
+    return used
+
+
+def goal_paths(spec: AppSpec, max_len: int) -> list[list[str]]:
+    """Every simple path from the start page to a goal page, at most max_len pages long."""
+    g = spec.graph()
+    paths: list[list[str]] = []
+    for goal in spec.goal_pages():
+        paths.extend(nx.all_simple_paths(g, spec.start, goal, cutoff=max_len - 1))
+    return sorted(paths)
+
+
+def sample_tasks(spec: AppSpec, n: int, *, seed: int, max_len: int) -> list[SampledTask]:
+    """Up to n tasks with distinct instructions; fewer when the graph and its slots allow fewer."""
+    rng = random.Random(seed)
+    paths = goal_paths(spec, max_len)
+    if not paths:
+        return []
+    g = spec.graph()
+    values = spec.slot_values()
+    edge_use: Counter[tuple[str, str]] = Counter()
+    tasks: dict[str, SampledTask] = {}
+    instructions: set[str] = set()
+    attempts = 0
+    while len(tasks) < n and attempts < n * 20:
+        attempts += 1
+        # Prefer the path whose least-used transition has been used least (ties at random).
+        path = min(paths, key=lambda p: (min(edge_use[e] for e in zip(p, p[1:])), rng.random()))
+        slots = {name: rng.choice(values[name]) for name in sorted(_slots_used(spec, path))}
+        goal = spec.pages[path[-1]].goal
+        assert goal is not None
+        steps = sum(len(g.edges[u, v]["transition"].actions) for u, v in zip(path, path[1:]))
+        task = SampledTask(
+            app=spec.app,
+            path=tuple(path),
+            slots=tuple(sorted(slots.items())),
+            instruction=goal.instruction.format(**slots),
+            checker=goal.checker,
+            checker_params=tuple(sorted((k, v.format(**slots)) for k, v in goal.params.items())),
+            reference_steps=steps + 1,  # the final terminate
+        )
+        # One instruction is one task for the agent, whichever route its reference path takes.
+        if task.instruction.casefold() not in instructions:
+            instructions.add(task.instruction.casefold())
+            tasks[task.query_id] = task
+        # Count every draw, duplicates too: a path whose tasks are used up must lose
+        # its turn, or it would win every later draw.
+        edge_use.update(zip(path, path[1:]))
+    return list(tasks.values())

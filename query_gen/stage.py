@@ -1,0 +1,163 @@
+"""The query-generation stage: bundled apps in, `queries` rows out (paper 6.2).
+
+Per app: sample tasks on the page graph; write each instruction from its template or,
+with `instructions: model`, by model synthesis and refinement; drop near-duplicate
+instructions; find atomic-operation queries on the live pages; with
+`validate_interface`, crawl the live app and drop queries whose pages, slot values or
+target elements are gone; for the apps named in `deep_search_apps`, search the live
+accessibility tree for menu, tab and dialog pathways and make queries of them. Coverage
+of the graph, operation kinds and sources go into the stage's statistics, and every
+drop is counted under its reason, so the lineage explains each missing query.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from llm import Gateway
+from query_gen.atomic import atomic_queries
+from query_gen.deep_search import Commander, deep_search_queries
+from query_gen.quality import coverage, remove_near_duplicates
+from query_gen.sampling import TEMPLATE_GENERATOR, SampledTask, sample_tasks
+from query_gen.synthesis import Synthesiser
+from query_gen.validation import InterfaceValidator
+from rollout.apps import AppServer, BundledApp
+from rollout.env import BrowserEnv
+from schemas.config import QueryGenSettings
+from schemas.records import Query
+from schemas.stage import StageOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _row(task: SampledTask, instruction: str, generator: str, *, run_id: str, settings: QueryGenSettings,
+         now: datetime) -> Query:
+    return Query(
+        run_id=run_id,
+        query_id=task.query_id,
+        app=task.app,
+        source="page_graph",
+        instruction=instruction,
+        path=list(task.path),
+        slots_json=json.dumps(dict(task.slots)),
+        checker=task.checker,
+        checker_params_json=json.dumps(dict(task.checker_params)),
+        max_steps=task.reference_steps + settings.step_budget_margin,
+        generator=generator,
+        created_at=now,
+    )
+
+
+def generate_queries(
+    apps: list[BundledApp],
+    *,
+    run_id: str,
+    settings: QueryGenSettings,
+    gateway: Gateway | None = None,
+    chromium: Path | None = None,
+    viewport: Literal["mobile", "desktop"] = "mobile",
+) -> StageOutput:
+    """Sample, write, deduplicate and validate the queries of each app.
+
+    Per app: page-graph tasks, then atomic-operation queries found on its live pages
+    (in `viewport`, the rollout's, so they use only operations its action space has),
+    then deep-search queries for the apps in `settings.deep_search_apps`. `gateway` is
+    needed with `settings.instructions == "model"` (it also writes deep-search commands),
+    `chromium` whenever a live app is opened; a missing one is a configuration error,
+    raised before any work. An app whose graph yields fewer distinct tasks than asked is
+    not an error; the shortfall is counted under `dropped` so the lineage shows it.
+    """
+    if settings.instructions == "model" and gateway is None:
+        raise ValueError("query_gen.instructions: 'model' needs a model gateway (llm settings)")
+    live = settings.validate_interface or settings.atomic_per_app > 0 or any(
+        a.name in settings.deep_search_apps for a in apps)
+    if live and chromium is None:
+        raise ValueError("query_gen: validate_interface, atomic_per_app and deep_search_apps open the live app "
+                         "and need a Chromium (rollout.chromium)")
+    out = StageOutput()
+    synthesiser = Synthesiser(gateway, settings.instruction_model) if settings.instructions == "model" else None
+    commander = Commander(gateway, settings.instruction_model) if gateway is not None and synthesiser else None
+    rows: list[Query] = []
+    now = datetime.now(timezone.utc)
+    for app in apps:
+        queries = _page_graph_queries(app, settings, synthesiser, out, run_id=run_id, now=now)
+        if live:
+            assert chromium is not None
+            queries = _live_queries(app, settings, commander, out, queries, run_id=run_id, now=now,
+                                    chromium=chromium, viewport=viewport)
+        # Every new query starts with no attempts: the self-evolving loop counts from here.
+        queries = [q.model_copy(update={"attempts": 0, "successes": 0}) for q in queries]
+        out.stats.update(coverage(app.spec, queries))
+        out.stats.update(Counter(f"queries: {app.name}: {q.source}" for q in queries))
+        rows.extend(queries)
+    if synthesiser is not None:
+        out.prompts.update({p.name: p.version for p in (synthesiser.synthesis, synthesiser.refine)})
+    if any(q.generator == TEMPLATE_GENERATOR for q in rows) or synthesiser is None:
+        out.models["instruction"] = "template"
+        out.prompts[TEMPLATE_GENERATOR] = "1"
+    out.rows["queries"] = rows
+    return out
+
+
+def _page_graph_queries(app: BundledApp, settings: QueryGenSettings, synthesiser: Synthesiser | None,
+                        out: StageOutput, *, run_id: str, now: datetime) -> list[Query]:
+    """Sampled paths with their instructions (template, or written by the model), near-duplicates dropped."""
+    spec = app.spec
+    tasks = sample_tasks(spec, settings.num_queries, seed=settings.seed, max_len=settings.max_path_len)
+    if len(tasks) < settings.num_queries:
+        out.dropped[f"{spec.app}: graph has fewer distinct tasks than num_queries"] += settings.num_queries - len(tasks)
+    queries: list[Query] = []
+    for task in tasks:
+        if synthesiser is None:
+            instruction, generator = task.instruction, TEMPLATE_GENERATOR
+        else:
+            written = synthesiser(spec, task)
+            instruction, generator = written.instruction, written.generator
+            out.models["instruction_model"] = written.model_id
+            if written.fallback_reason is not None:
+                out.stats[f"{spec.app}: model instruction replaced by template: {written.fallback_reason}"] += 1
+                logger.info("%s %s: %s; model said %s", spec.app, task.query_id, written.fallback_reason, written.raw)
+        queries.append(_row(task, instruction, generator, run_id=run_id, settings=settings, now=now))
+    queries, duplicates = remove_near_duplicates(queries)
+    out.dropped.update(duplicates)
+    return queries
+
+
+def _live_queries(app: BundledApp, settings: QueryGenSettings, commander: Commander | None, out: StageOutput,
+                  page_graph: list[Query], *, run_id: str, now: datetime, chromium: Path,
+                  viewport: Literal["mobile", "desktop"]) -> list[Query]:
+    """The page-graph queries that pass interface validation, with the atomic-operation and
+    deep-search queries found on the live app; each drop is counted with its reason."""
+    found = list(page_graph)
+    with AppServer(app) as server, BrowserEnv(chromium=chromium, viewport=viewport) as env:
+        if settings.atomic_per_app:
+            atomic = atomic_queries(app, server.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
+                                    space=env.space, run_id=run_id, now=now, margin=settings.step_budget_margin)
+            found += atomic.queries
+            out.stats.update({f"atomic: not made: {k}": n for k, n in atomic.skipped.items()})
+        if settings.validate_interface:
+            checked = InterfaceValidator(app.spec, server.base_url, env).validate(found)
+            found = checked.kept
+            out.dropped.update(checked.dropped)
+            out.stats.update({f"validation: reached by driving a form: {k}": n for k, n in checked.driven.items()})
+    if app.name in settings.deep_search_apps and settings.deep_search_queries:
+        with BrowserEnv(chromium=chromium, viewport="desktop") as env:  # menus are a desktop app's
+            searched = deep_search_queries(app, env, run_id=run_id, commander=commander,
+                                           max_depth=settings.deep_search_depth)
+        rng = random.Random(f"{settings.seed}:{app.name}")
+        chosen = sorted(rng.sample(searched.rows, min(settings.deep_search_queries, len(searched.rows))),
+                        key=lambda q: q.query_id)
+        found += chosen
+        out.dropped.update(searched.dropped)
+        out.stats.update({f"deep search: {k}": n for k, n in searched.stats.items()})
+        out.stats[f"deep search: {app.name}: pathways found"] += len(searched.pathways)
+        out.stats[f"deep search: {app.name}: pathways beyond deep_search_queries"] += len(searched.rows) - len(chosen)
+        out.models.update(searched.models)
+        out.prompts.update(searched.prompts)
+    return found

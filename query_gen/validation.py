@@ -1,0 +1,268 @@
+"""Interface validation: is a query still doable on the app as it is today? (paper 6.2)
+
+A spec is written once; the app changes (a dish is taken off the menu, a page is
+renamed). Validation crawls the live app without an agent: for each page of a query's
+path it reaches the page, and looks for the elements that the outgoing transition's UI
+actions name (role, and name with slots filled). A query whose page does not load, or
+whose element is gone, is dropped with the reason.
+
+A page is reached the cheapest way that shows what the path would show:
+- the start page, and a page entered by a link, by opening its `url` with the slot
+  values filled in. A url that holds a slot and does not load has lost that slot value,
+  and its queries are dropped;
+- a page entered by a form (a button, Enter in a search box) shows what was submitted,
+  which a fresh session opening its url does not have (the cart is empty, the search has
+  no results); so is a page whose fixed url does not load in a fresh session (it needs
+  parameters the spec does not hold, `/message?id=...`). Both are reached by driving:
+  the crawl reaches the previous page and does the transition's UI actions there.
+
+An atomic-operation or deep-search query's first operation (query_gen.operations) is
+looked up on its last page like a transition's elements.
+
+Each (page, way of reaching it) is visited once, whatever number of queries pass
+through it, and all the elements any of them needs are looked up on that one visit.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from query_gen.graph import AppSpec, UIAction, placeholders
+from query_gen.operations import parse_operations
+from playwright.sync_api import Error as PlaywrightError
+
+from rollout.env import BrowserEnv, EnvFault
+from schemas.records import Query
+
+Target = tuple[str, str]
+"""An element to look for: (role, accessible name with slots filled)."""
+
+
+def fill(template: str, slots: dict[str, str], *, url: bool = False) -> str:
+    """`template` with its {slot}s filled; in a url the values are percent-encoded as the apps do."""
+    values = {k: quote(v) if url else v for k, v in slots.items()}
+    return string.Formatter().vformat(template, (), values)
+
+
+def _targets(actions: list[UIAction], slots: dict[str, str]) -> tuple[Target, ...]:
+    """The transition's targeted elements up to its first `press` (which leaves the page)."""
+    targets: list[Target] = []
+    for action in actions:
+        if action.op == "press":
+            break
+        if action.role and action.name:
+            targets.append((action.role, fill(action.name, slots)))
+    return tuple(targets)
+
+
+def _operation_targets(query: Query) -> tuple[Target, ...]:
+    """The elements the query's first operation needs on its last page (an atomic query's
+    element and drop target, a deep-search pathway's first click); what later operations
+    of a pathway need appears only after the first, and is left to the rollout."""
+    operations = parse_operations(query.actions_json)
+    if not operations:
+        return ()
+    first = operations[0]
+    targets = [(first.role, first.name)]
+    if first.to_role and first.to_name:
+        targets.append((first.to_role, first.to_name))
+    return tuple(targets)
+
+
+def _by_link(actions: list[UIAction]) -> bool:
+    """Whether a transition ends in a plain navigation, so its target page is what its URL shows."""
+    last = actions[-1]
+    return last.op == "click" and last.role == "link"
+
+
+Filled = tuple[str, str | None, str | None, str | None]
+"""A UI action with its slots filled: (op, role, name, text)."""
+
+Route = tuple[str, tuple[Filled, ...]]
+"""How the crawl reaches a page: the url it opens, then the UI actions it does there."""
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One page of a query's path as the crawl sees it."""
+
+    page: str
+    route: Route | None
+    """None: the page's url holds slots and does not load (`error` says why)."""
+    error: str | None
+    targets: tuple[Target, ...]
+    """The elements the outgoing transition needs on this page."""
+    url_note: str = ""
+    """Why the page was driven to although a link enters it: its own url does not load."""
+
+
+@dataclass
+class PageVisit:
+    """What one visit of a page found: why it did not load (None: it did), and which elements exist."""
+
+    load_error: str | None = None
+    found: dict[Target, bool] = field(default_factory=dict)
+
+
+@dataclass
+class ValidationResult:
+    kept: list[Query]
+    dropped: Counter[str]
+    reasons: dict[str, str]
+    """query_id -> why it was dropped."""
+    driven: Counter[str]
+    """'app page' -> steps of queries reached by driving the previous page's form, not by url."""
+    visits: int
+    """Pages opened: at most one per (page, filled url)."""
+
+
+class InterfaceValidator:
+    """Validates queries of one app against its live server through one browser env.
+
+    `base_url` is the app server's origin (AppServer.base_url); `env` a BrowserEnv the
+    validator may reset as it likes.
+    """
+
+    def __init__(self, spec: AppSpec, base_url: str, env: BrowserEnv, *, timeout_s: float = 10.0) -> None:
+        self.spec = spec
+        self.base_url = base_url.rstrip("/")
+        self.env = env
+        self.timeout_s = timeout_s
+        self.graph = spec.graph()
+        self.cache: dict[tuple[str, Route], PageVisit] = {}
+        self._statuses: dict[str, str | None] = {}
+
+    def _plan(self, query: Query) -> list[_Step]:
+        """The query's path as steps of the crawl; a page the spec lacks is the caller's error."""
+        slots = json.loads(query.slots_json)
+        steps: list[_Step] = []
+        for i, page_id in enumerate(query.path):
+            if page_id not in self.spec.pages:
+                raise ValueError(f"query {query.query_id}: path[{i}] names page {page_id!r}, "
+                                 f"which app spec {self.spec.app!r} does not have")
+            page = self.spec.pages[page_id]
+            url = fill(page.url, slots, url=True)
+            if i + 1 < len(query.path):
+                targets = _targets(self.graph.edges[page_id, query.path[i + 1]]["transition"].actions, slots)
+            else:
+                targets = _operation_targets(query)
+            by_url = i == 0 or _by_link(self.graph.edges[query.path[i - 1], page_id]["transition"].actions)
+            load_error = self._status(url) if by_url else None
+            route: Route | None = (url, ())
+            error = None
+            if load_error is not None and placeholders(page.url):
+                route, error = None, f"page {page_id!r} {url}: does not load ({load_error})"
+            elif not by_url or load_error is not None:
+                previous = steps[-1].route if steps else None
+                if previous is None:  # the start page's fixed url does not load: nothing to drive from
+                    route, error = None, f"page {page_id!r} {url}: does not load ({load_error})"
+                else:
+                    actions = self.graph.edges[query.path[i - 1], page_id]["transition"].actions
+                    route = (previous[0], previous[1] + tuple(_filled(a, slots) for a in actions))
+            note = f" (its url {url}: {load_error})" if by_url and load_error and route else ""
+            steps.append(_Step(page_id, route, error, targets, note))
+        return steps
+
+    def _status(self, url: str) -> str | None:
+        """Why the page does not load (HTTP status or connection error), or None; asked once per url."""
+        if url not in self._statuses:
+            self._statuses[url] = self._fetch_status(url)
+        return self._statuses[url]
+
+    def _fetch_status(self, url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(self.base_url + url, timeout=self.timeout_s) as response:
+                return None if response.status < 400 else f"HTTP {response.status}"
+        except urllib.error.HTTPError as exc:
+            return f"HTTP {exc.code}"
+        except urllib.error.URLError as exc:
+            return f"cannot be reached: {exc.reason}"
+
+    def _visit(self, route: Route, targets: set[Target]) -> PageVisit:
+        url, actions = route
+        try:
+            self.env.reset(secrets.token_hex(8), self.base_url + url)
+            for op, role, name, text in actions:
+                problem = self._do(op, role, name, text)
+                if problem is not None:
+                    return PageVisit(load_error=f"could not be reached from {url}: {problem}")
+            return PageVisit(found={(role, name): bool(self.env.find_element(role, name))
+                                    for role, name in sorted(targets)})
+        except EnvFault as exc:
+            return PageVisit(load_error=f"browser could not open it: {exc}")
+
+    def _do(self, op: str, role: str | None, name: str | None, text: str | None) -> str | None:
+        """Do one UI action on the live page; why it could not be done, or None.
+
+        Clicks and keys go through the env's own actions, which wait for a navigation
+        they start; filling a field or setting a box starts none, so a locator does it.
+        """
+        if op == "press":
+            return self.env.act({"type": "key", "key": text})
+        page = self.env.page
+        element = page.get_by_role(role, name=name, exact=True)
+        try:
+            if element.count() != 1:
+                return f"{role} {name!r} not found"
+            timeout = self.timeout_s * 1000
+            if op == "type":
+                element.fill(text, timeout=timeout)
+                return None
+            if op != "click":  # check, uncheck, set_checked
+                element.set_checked(op == "check" or text == "on", timeout=timeout)
+                return None
+            element.scroll_into_view_if_needed(timeout=timeout)
+        except PlaywrightError as exc:
+            raise self.env.fault(exc, f"{op} {role} {name!r}") from exc
+        [(x, y, w, h)] = self.env.find_element(role, name)
+        return self.env.act({"type": "click", "x": round(x + w / 2), "y": round(y + h / 2)})
+
+    def validate(self, queries: list[Query]) -> ValidationResult:
+        """Keep the queries whose pages load and whose elements exist; drop the rest with the reason."""
+        plans = {q.query_id: self._plan(q) for q in queries}
+        needed: dict[tuple[str, Route], set[Target]] = {}
+        for plan in plans.values():
+            for step in plan:
+                if step.route is not None:
+                    needed.setdefault((step.page, step.route), set()).update(step.targets)
+        visits = 0
+        for key, targets in needed.items():
+            known = self.cache.get(key)
+            if known is None or (known.load_error is None and not targets <= known.found.keys()):
+                self.cache[key] = self._visit(key[1], targets | (known.found.keys() if known else set()))
+                visits += 1
+        result = ValidationResult([], Counter(), {}, Counter(), visits)
+        for query in queries:
+            reason = self._verdict(plans[query.query_id], result.driven)
+            if reason is None:
+                result.kept.append(query)
+            else:
+                result.reasons[query.query_id] = reason
+                result.dropped[f"{query.app}: interface validation: {reason}"] += 1
+        return result
+
+    def _verdict(self, plan: list[_Step], driven: Counter[str]) -> str | None:
+        for step in plan:
+            if step.route is None:
+                return step.error
+            if step.route[1]:
+                driven[f"{self.spec.app} {step.page}"] += 1
+            visit = self.cache[(step.page, step.route)]
+            if visit.load_error is not None:
+                return f"page {step.page!r}: {visit.load_error}{step.url_note}"
+            for role, name in step.targets:
+                if not visit.found[(role, name)]:
+                    return f"page {step.page!r} {step.route[0]}: {role} {name!r} not found{step.url_note}"
+        return None
+
+
+def _filled(action: UIAction, slots: dict[str, str]) -> Filled:
+    return (action.op, action.role, fill(action.name, slots) if action.name else None,
+            fill(action.text, slots) if action.text is not None else None)
