@@ -1,0 +1,1 @@
+"""Critics: step critic, trajectory critic channels and their consensus, programmatic checkers."""
