@@ -1,0 +1,87 @@
+"""The per-run report: how much usable data the run made and whether guidance helped.
+
+Read by a person the morning after: yield (accepted trajectories per rollout), success
+rate by app and by query source, and each guided query's success before the run and in
+it. Everything comes from the run's catalog rows, so the report can be rebuilt later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from guidance.history import hardness
+from tasks.workspace import Workspace
+
+
+def _rate(successes: int, attempts: int) -> str:
+    return f"{successes}/{attempts} ({successes / attempts:.0%})" if attempts else "0/0 (-)"
+
+
+def _by(history: pl.DataFrame, column: str) -> list[str]:
+    lines = [f"| {column} | success |", "| --- | --- |"]
+    grouped = history.group_by(column).agg(pl.len().alias("n"), pl.col("success").sum().alias("ok")).sort(column)
+    for row in grouped.iter_rows(named=True):
+        lines.append(f"| {row[column]} | {_rate(row['ok'], row['n'])} |")
+    return lines
+
+
+def render_report(*, run_id: str, tag: str, iteration: int, history: pl.DataFrame, guidance: pl.DataFrame,
+                  hard_before: list[str]) -> str:
+    """Markdown for one run. `history` is every query_history row so far; `guidance` this run's guidance rows;
+    `hard_before` the queries that were hard when the run began."""
+    now = history.filter(pl.col("run_id") == run_id)
+    before = history.filter(pl.col("run_id") != run_id)
+    accepted = int(now["success"].sum()) if now.height else 0
+    models = ", ".join(sorted(set(now["model_id"]))) or "-"
+    lines = [
+        f"# trajforge run {run_id} ({tag})", "",
+        f"Model iteration {iteration}; policy model(s): {models}.", "",
+        "## Yield", "",
+        (f"Accepted trajectories per rollout: {_rate(accepted, now.height)} "
+         "(rollouts: judged episodes; environment faults are rerun, not counted)."), "",
+        "## Success rate by app", "", *_by(now, "app"), "",
+        "## Success rate by query source", "", *_by(now, "source"), "",
+        "## Hard queries before and after guidance", "",
+        f"Hard when the run began: {len(hard_before)}; given guidance: {guidance.height}.", "",
+        "| query | guidance | before this run | this run | moved |", "| --- | --- | --- | --- | --- |",
+    ]
+    for g in guidance.sort("query_id").iter_rows(named=True):
+        old = before.filter(pl.col("query_id") == g["query_id"])
+        new = now.filter(pl.col("query_id") == g["query_id"])
+        old_rate = old["success"].mean() if old.height else None
+        new_rate = new["success"].mean() if new.height else None
+        moved = "-" if old_rate is None or new_rate is None else f"{new_rate - old_rate:+.0%}"
+        lines.append(f"| {g['query_id']} {g['instruction']!r} | {g['guidance_id']} | "
+                     f"{_rate(int(old['success'].sum()), old.height)} | {_rate(int(new['success'].sum()), new.height)} "
+                     f"| {moved} |")
+    unguided = sorted(set(hard_before) - set(guidance["query_id"]))
+    if unguided:
+        lines += ["", f"Hard but not guided this run: {', '.join(unguided)} (the guidance lineage says why)."]
+    lines += ["", "## Every query of the run", "",
+              "| query | source | before this run | this run |", "| --- | --- | --- | --- |"]
+    for (query_id, source), rows in sorted(now.group_by("query_id", "source"), key=lambda g: g[0]):
+        old = before.filter(pl.col("query_id") == query_id)
+        lines.append(f"| {query_id} | {source} | {_rate(int(old['success'].sum()), old.height)} | "
+                     f"{_rate(int(rows['success'].sum()), rows.height)} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
+    """Write the run's report to `<warehouse>/reports/<run_id>.md` (rebuilt the same on a resumed run)."""
+    history = ws.catalog.load("query_history")
+    guidance = ws.catalog.load("guidance").filter(pl.col("run_id") == run_id)
+    before = history.filter(pl.col("run_id") != run_id)
+    now = history.filter(pl.col("run_id") == run_id)
+    loop = ws.settings.loop
+    hard_before = [
+        q for q in now["query_id"].unique().sort()
+        if hardness(list(before.filter(pl.col("query_id") == q).select("judged_at", "success").iter_rows()),
+                    window=loop.window, below=loop.hard_below).hard
+    ]
+    path = ws.catalog.warehouse / "reports" / f"{run_id}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_report(run_id=run_id, tag=tag, iteration=loop.iteration, history=history,
+                                  guidance=guidance, hard_before=hard_before))
+    return path
