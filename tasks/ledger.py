@@ -1,0 +1,199 @@
+"""The run ledger: which runs, stages and shards are done, kept in the catalog's database.
+
+A shard's output files are written first and its ledger row second, so a crash leaves
+at worst a file that the rerun overwrites; a stage's tables are committed with
+idempotent commit keys, so a crash between two tables' commits is finished by the rerun.
+The ledger lives beside the Iceberg catalog (SQLite by default, PostgreSQL in
+production) so that every worker sees the same state.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+
+_meta = sa.MetaData()
+
+runs = sa.Table(
+    "trajforge_runs",
+    _meta,
+    sa.Column("run_id", sa.String(80), primary_key=True),
+    sa.Column("flow", sa.String(40), nullable=False),
+    sa.Column("identity", sa.String(64), nullable=False, doc="Hash of what the run does; a rerun resumes it."),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    sa.Column("summary", sa.Text, doc="JSON: table -> snapshot id, and the tag, when finished."),
+)
+
+stages = sa.Table(
+    "trajforge_stages",
+    _meta,
+    sa.Column("run_id", sa.String(80), primary_key=True),
+    sa.Column("stage", sa.String(40), primary_key=True),
+    sa.Column("total_shards", sa.Integer, nullable=False),
+    sa.Column("snapshots", sa.Text, doc="JSON: table -> snapshot id once committed."),
+)
+
+shards = sa.Table(
+    "trajforge_shards",
+    _meta,
+    sa.Column("run_id", sa.String(80), primary_key=True),
+    sa.Column("stage", sa.String(40), primary_key=True),
+    sa.Column("shard_id", sa.String(40), primary_key=True),
+    sa.Column("files", sa.Text, nullable=False, doc="JSON: table -> [parquet path]"),
+    sa.Column("kept", sa.Text, nullable=False, doc="JSON: table -> rows"),
+    sa.Column("dropped", sa.Text, nullable=False, doc="JSON: reason -> count"),
+    sa.Column("stats", sa.Text, nullable=False, doc="JSON: name -> count"),
+    sa.Column("models", sa.Text, nullable=False),
+    sa.Column("prompts", sa.Text, nullable=False),
+    sa.Column("done_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str
+    flow: str
+    started_at: datetime
+    resumed: bool
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    shard_id: str
+    files: dict[str, list[str]]
+    kept: dict[str, int]
+    dropped: dict[str, int]
+    stats: dict[str, int]
+    models: dict[str, str]
+    prompts: dict[str, str]
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Ledger:
+    def __init__(self, url: str):
+        self.engine = sa.create_engine(url, future=True)
+        _meta.create_all(self.engine)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Columns added to the ledger after a database was created get added to it (as
+        empty JSON objects for the rows already there): a ledger outlives code versions."""
+        inspector = sa.inspect(self.engine)
+        for table in _meta.sorted_tables:
+            present = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name not in present:
+                    if not isinstance(column.type, sa.Text):
+                        raise RuntimeError(f"ledger column {table.name}.{column.name} needs a migration of its own")
+                    with self.engine.begin() as conn:
+                        conn.execute(sa.text(
+                            f"ALTER TABLE {table.name} ADD COLUMN {column.name} TEXT NOT NULL DEFAULT '{{}}'"
+                        ))
+
+    def open_run(self, flow: str, identity: str, *, fresh: bool = False) -> Run:
+        """The unfinished run with this identity (resumed), or a new one."""
+        with self.engine.begin() as conn:
+            if not fresh:
+                row = conn.execute(
+                    sa.select(runs)
+                    .where(runs.c.flow == flow, runs.c.identity == identity, runs.c.status == "running")
+                    .order_by(runs.c.started_at.desc())
+                ).first()
+                if row is not None:
+                    return Run(row.run_id, flow, row.started_at.replace(tzinfo=timezone.utc), resumed=True)
+            started = _now()
+            run_id = f"{flow}-{started:%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
+            conn.execute(
+                runs.insert().values(run_id=run_id, flow=flow, identity=identity, status="running", started_at=started)
+            )
+            return Run(run_id, flow, started, resumed=False)
+
+    def get_run(self, run_id: str) -> Run:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).first()
+        if row is None:
+            raise LookupError(f"no run {run_id!r} in the ledger")
+        return Run(row.run_id, row.flow, row.started_at.replace(tzinfo=timezone.utc), resumed=False)
+
+    def finish_run(self, run_id: str, summary: dict[str, Any]) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                runs.update()
+                .where(runs.c.run_id == run_id)
+                .values(status="done", finished_at=_now(), summary=json.dumps(summary))
+            )
+
+    def plan_stage(self, run_id: str, stage: str, total_shards: int) -> None:
+        with self.engine.begin() as conn:
+            exists = conn.execute(
+                sa.select(stages.c.stage).where(stages.c.run_id == run_id, stages.c.stage == stage)
+            ).first()
+            if exists is None:
+                conn.execute(stages.insert().values(run_id=run_id, stage=stage, total_shards=total_shards))
+
+    def committed(self, run_id: str, stage: str) -> dict[str, int] | None:
+        """The stage's snapshots if this run already committed it."""
+        with self.engine.connect() as conn:
+            value = conn.execute(
+                sa.select(stages.c.snapshots).where(stages.c.run_id == run_id, stages.c.stage == stage)
+            ).scalar()
+        return json.loads(value) if value else None
+
+    def mark_committed(self, run_id: str, stage: str, snapshots: dict[str, int]) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                stages.update()
+                .where(stages.c.run_id == run_id, stages.c.stage == stage)
+                .values(snapshots=json.dumps(snapshots))
+            )
+
+    def record_shard(self, run_id: str, stage: str, record: ShardRecord) -> None:
+        values = dict(
+            files=json.dumps(record.files),
+            kept=json.dumps(record.kept),
+            dropped=json.dumps(record.dropped),
+            stats=json.dumps(record.stats),
+            models=json.dumps(record.models),
+            prompts=json.dumps(record.prompts),
+            done_at=_now(),
+        )
+        with self.engine.begin() as conn:
+            # A shard that raced with its own retry is recorded once.
+            conn.execute(shards.delete().where(
+                shards.c.run_id == run_id, shards.c.stage == stage, shards.c.shard_id == record.shard_id
+            ))
+            conn.execute(shards.insert().values(run_id=run_id, stage=stage, shard_id=record.shard_id, **values))
+
+    def shards_done(self, run_id: str, stage: str) -> list[ShardRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(shards).where(shards.c.run_id == run_id, shards.c.stage == stage).order_by(shards.c.shard_id)
+            ).all()
+        return [
+            ShardRecord(
+                r.shard_id, json.loads(r.files), json.loads(r.kept), json.loads(r.dropped), json.loads(r.stats),
+                json.loads(r.models), json.loads(r.prompts),
+            )
+            for r in rows
+        ]
+
+    def progress(self, run_id: str) -> dict[str, tuple[int, int]]:
+        """stage -> (shards done, shards planned), for progress bars."""
+        with self.engine.connect() as conn:
+            planned = dict(conn.execute(
+                sa.select(stages.c.stage, stages.c.total_shards).where(stages.c.run_id == run_id)
+            ).all())
+            done = dict(conn.execute(
+                sa.select(shards.c.stage, sa.func.count()).where(shards.c.run_id == run_id).group_by(shards.c.stage)
+            ).all())
+        return {s: (done.get(s, 0), n) for s, n in planned.items()}

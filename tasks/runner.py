@@ -1,0 +1,164 @@
+"""The stage contract, run shard by shard with resume and one commit per table.
+
+A stage reads one input snapshot, splits its work into shards, and writes each shard's
+rows as Parquet files into the output tables' data folders. Only when every shard is
+done does it commit: one commit per output table, carrying the lineage. Rerunning a run
+that crashed skips the shards the ledger says are done and finishes the commits, so
+every row lands exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+from data.catalog import Lineage, write_parquet_atomic
+from schemas.config import Settings
+from schemas.stage import StageOutput
+from schemas.tables import to_arrow
+from tasks.ledger import ShardRecord
+from tasks.workspace import Workspace, code_version
+
+WriteMode = Literal["append", "overwrite"]
+
+
+@dataclass
+class Inputs:
+    """A stage's units of work and the snapshots they came from."""
+
+    units: list[dict[str, Any]]
+    snapshots: dict[str, int] = field(default_factory=dict)
+    fingerprint: str = ""  # what else the output depends on (e.g. app spec files), for the config hash
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    key: str  # the column that identifies a unit of work; shards are made of sorted keys
+    reads: str | None  # the table whose version `--input` names; None for a source stage
+    writes: dict[str, WriteMode]
+    sections: tuple[str, ...]  # config sections the stage depends on ("llm" where a model may act: a new model is new work)
+    load: Callable[[Workspace, int | None], Inputs]
+    run: Callable[[list[dict[str, Any]], Workspace, str, str], StageOutput]  # (units, ws, run_id, config_hash)
+    shard_size: Callable[[Settings], int]
+    workers: Callable[[Settings], int] = lambda s: 1
+
+
+@dataclass
+class Shard:
+    shard_id: str
+    units: list[dict[str, Any]]
+
+
+@dataclass
+class StagePlan:
+    stage: StageDef
+    run_id: str
+    inputs: dict[str, int]
+    config_hash: str
+    pending: list[Shard]
+    total: int
+
+
+def config_hash(stage: StageDef, settings: Settings, inputs: Inputs) -> str:
+    digest = hashlib.sha256(f"{settings.section_hash(*stage.sections)}:{inputs.fingerprint}".encode())
+    return digest.hexdigest()[:16]
+
+
+def plan(stage: StageDef, ws: Workspace, run_id: str, input_snapshot: int | None) -> StagePlan:
+    """Load the stage's inputs and list the shards this run has not finished yet."""
+    inputs = stage.load(ws, input_snapshot)
+    units = sorted(inputs.units, key=lambda u: u[stage.key])
+    size = stage.shard_size(ws.settings)
+    shards = []
+    for start in range(0, len(units), size):
+        chunk = units[start : start + size]
+        shard_id = hashlib.sha256("\n".join(u[stage.key] for u in chunk).encode()).hexdigest()[:16]
+        shards.append(Shard(shard_id, chunk))
+    ws.ledger.plan_stage(run_id, stage.name, len(shards))
+    done = {r.shard_id for r in ws.ledger.shards_done(run_id, stage.name)}
+    return StagePlan(
+        stage=stage,
+        run_id=run_id,
+        inputs=inputs.snapshots,
+        config_hash=config_hash(stage, ws.settings, inputs),
+        pending=[s for s in shards if s.shard_id not in done],
+        total=len(shards),
+    )
+
+
+def _write_parquet(ws: Workspace, table: str, name: str, rows: list[Any]) -> str:
+    """Validate and write rows atomically (temp file, then rename); returns the path."""
+    path = ws.catalog.data_dir(table) / f"{name}.parquet"
+    write_parquet_atomic(to_arrow(table, rows), path)
+    return str(path)
+
+
+def run_shard(plan: StagePlan, shard: Shard, ws: Workspace) -> dict[str, int]:
+    """Do one shard's work and record it; returns rows written per table."""
+    stage = plan.stage
+    out = stage.run(shard.units, ws, plan.run_id, plan.config_hash)
+    unknown = set(out.rows) - set(stage.writes)
+    if unknown:
+        raise ValueError(f"stage {stage.name!r} returned rows for undeclared tables {sorted(unknown)}")
+    files: dict[str, list[str]] = {}
+    kept: dict[str, int] = {}
+    for table, rows in out.rows.items():
+        kept[table] = len(rows)
+        if rows:
+            files[table] = [_write_parquet(ws, table, f"{plan.run_id}-{stage.name}-{shard.shard_id}", rows)]
+    ws.ledger.record_shard(
+        plan.run_id,
+        stage.name,
+        ShardRecord(shard.shard_id, files, kept, dict(out.dropped), dict(out.stats), out.models, out.prompts),
+    )
+    return kept
+
+
+def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
+    """Commit every output table once, with lineage; safe to call again after a crash."""
+    stage, run_id = plan.stage, plan.run_id
+    already = ws.ledger.committed(run_id, stage.name)
+    if already is not None:
+        return already
+    records = ws.ledger.shards_done(run_id, stage.name)
+    if len(records) != plan.total:
+        raise RuntimeError(f"stage {stage.name!r}: {plan.total - len(records)} shard(s) not done; rerun to resume")
+    kept: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    stats: Counter[str] = Counter()
+    models: dict[str, str] = {}
+    prompts: dict[str, str] = {}
+    files: dict[str, list[str]] = {t: [] for t in stage.writes}
+    for r in records:
+        kept.update(r.kept)
+        dropped.update(r.dropped)
+        stats.update(r.stats)
+        models.update(r.models)
+        prompts.update(r.prompts)
+        for table, paths in r.files.items():
+            files[table].extend(paths)
+    snapshots: dict[str, int] = {}
+    for table, mode in stage.writes.items():
+        paths = files[table] or [_write_parquet(ws, table, f"{run_id}-{stage.name}-empty", [])]
+        lineage = Lineage(
+            stage=stage.name,
+            run_id=run_id,
+            commit_key=f"{run_id}:{stage.name}:{table}",
+            inputs=plan.inputs,
+            config_hash=plan.config_hash,
+            code_version=code_version(),
+            models=models,
+            prompts=prompts,
+            kept={table: kept.get(table, 0)},
+            dropped=dict(dropped),
+            stats=dict(stats),
+        )
+        snapshots[table] = ws.catalog.commit_files(table, paths, lineage, mode)
+    ws.ledger.mark_committed(run_id, stage.name, snapshots)
+    return snapshots
+
