@@ -1,0 +1,170 @@
+"""Step-row commit and read throughput of the dataset catalog.
+
+A rollout stage writes its steps as shard Parquet files and commits them once; this
+measures that path against plain `pyarrow.parquet.write_table` of the same rows, and
+how long reading the committed version into polars takes. Prints, never asserts.
+
+    python benchmarks/catalog_bench.py [--rows 100000] [--shards 20] [--uri postgresql+psycopg://...]
+
+Targets: commit path >= 20,000 rows/s; load of 100k rows < 1.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data.catalog import Catalog, Lineage
+from schemas.tables import to_arrow
+
+ROLES = ["button", "link", "textbox", "checkbox", "combobox", "heading", "listitem", "img", "tab", "menuitem"]
+WORDS = (
+    "save cancel settings profile search notes inbox compose archive delete share edit title body "
+    "calendar today tomorrow reminder alarm contacts add remove more options back forward home help"
+).split()
+
+
+def _ax_lines(rng: random.Random, n: int) -> list[str]:
+    """Distinct 'role name' lines at various depths, the vocabulary trees are drawn from."""
+    return [
+        "  " * rng.randint(1, 4) + f"{rng.choice(ROLES)} {' '.join(rng.choices(WORDS, k=rng.randint(1, 4)))} {k}"
+        for k in range(n)
+    ]
+
+
+def build_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Step rows shaped like a rollout's: ~2 KB each, screens repeating within an app."""
+    rng = random.Random(seed)
+    lines = _ax_lines(rng, 50_000)
+    rows = []
+    for i in range(n):
+        episode, index = divmod(i, 20)
+        x, y = rng.randint(0, 1023), rng.randint(0, 599)
+        rows.append(
+            {
+                "run_id": "bench-run",
+                "step_id": f"ep{episode:06d}-s{index:02d}",
+                "episode_id": f"ep{episode:06d}",
+                "step_index": index,
+                "screenshot_before": f"{rng.getrandbits(256):064x}",
+                "screenshot_after": f"{rng.getrandbits(256):064x}",
+                "width": 1024,
+                "height": 600,
+                "url_before": f"http://127.0.0.1:8000/notes/{rng.randint(1, 500)}",
+                "url_after": f"http://127.0.0.1:8000/notes/{rng.randint(1, 500)}",
+                "title_before": "Notes",
+                "title_after": "Notes - edit",
+                # ~1.5 KB: every screen a different mix of lines, so it compresses like real trees.
+                "ax_tree_before": "RootWebArea Notes\n" + "\n".join(rng.choices(lines, k=48)),
+                "action_type": "click",
+                "action_json": json.dumps({"x": x, "y": y}),
+                "action_valid": True,
+                "action_error": None,
+                "target_role": rng.choice(ROLES),
+                "target_name": " ".join(rng.choices(WORDS, k=2)),
+                "thought": f"The {rng.choice(WORDS)} control is what the task needs; clicking it at ({x}, {y}).",
+                "raw_output": f'{{"action": "click", "x": {x}, "y": {y}}}',
+                "duration_ms": rng.uniform(40, 120),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--shards", type=int, default=20)
+    parser.add_argument("--uri", default=None, help="SQLAlchemy URL of the catalog (default: SQLite in the warehouse)")
+    args = parser.parse_args()
+
+    t = time.perf_counter()
+    rows = build_rows(args.rows)
+    t_build = time.perf_counter() - t
+
+    t = time.perf_counter()
+    step = -(-args.rows // args.shards)
+    shards = [to_arrow("steps", rows[i : i + step]) for i in range(0, args.rows, step)]
+    t_validate = time.perf_counter() - t
+    data = pa.concat_tables(shards)
+    row_bytes = data.nbytes / data.num_rows
+
+    with tempfile.TemporaryDirectory(prefix="catalog-bench-") as tmp:
+        root = Path(tmp)
+
+        t = time.perf_counter()
+        pq.write_table(data, root / "baseline.parquet", compression="zstd")
+        t_baseline = time.perf_counter() - t
+
+        catalog = Catalog(root / "warehouse", uri=args.uri, name=f"bench-{time.time_ns()}")
+        try:
+            catalog.table("steps")  # creation is a one-off, not part of a stage's commit
+            lineage = Lineage(
+                stage="rollout",
+                run_id="bench-run",
+                commit_key="bench-run:steps",
+                config_hash="bench",
+                code_version="bench",
+                kept={"steps": args.rows},
+            )
+            t = time.perf_counter()
+            folder = catalog.data_dir("steps")
+            paths = []
+            for n, shard in enumerate(shards):
+                path = folder / f"bench-shard-{n:03d}.parquet"
+                pq.write_table(shard, path, compression="zstd")
+                paths.append(path)
+            t_shards = time.perf_counter() - t
+            t = time.perf_counter()
+            snapshot = catalog.commit_files("steps", paths, lineage)
+            t_commit = time.perf_counter() - t
+
+            catalog.load("steps", snapshot)  # warm-up: imports and first-use costs
+            t = time.perf_counter()
+            df = catalog.load("steps", snapshot)
+            t_load = time.perf_counter() - t
+            t = time.perf_counter()
+            narrow = catalog.scan("steps", snapshot).select("step_id", "episode_id", "action_type", "width").collect()
+            t_narrow = time.perf_counter() - t
+            assert df.height == args.rows and narrow.height == args.rows
+            on_disk = sum(p.stat().st_size for p in paths) / args.rows
+        finally:
+            if "steps" in catalog.tables():  # leave nothing behind in a shared PostgreSQL
+                catalog.iceberg.drop_table((catalog.namespace, "steps"))
+            catalog.iceberg.drop_namespace(catalog.namespace)
+            catalog.close()
+
+    t_catalog = t_shards + t_commit
+    n = args.rows
+    print(f"{n:,} steps rows, {row_bytes / 1024:.2f} KB each in Arrow, {on_disk / 1024:.2f} KB on disk; "
+          f"{args.shards} shards; catalog {'SQLite' if args.uri is None else args.uri.split('@')[-1]}")
+    print(f"(building the row dicts took {t_build:.2f} s; not counted)")
+    print()
+    print(f"{'step':<44} {'seconds':>8} {'rows/s':>10}")
+    table = [
+        ("validate rows (to_arrow, per shard)", t_validate),
+        ("baseline: pq.write_table, one file", t_baseline),
+        (f"write {args.shards} shard files into data_dir", t_shards),
+        ("commit_files (one snapshot)", t_commit),
+        ("catalog path: shard files + commit", t_catalog),
+        ("catalog path + validation", t_catalog + t_validate),
+        ("load() the version into polars", t_load),
+        ("scan() 4 narrow columns", t_narrow),
+    ]
+    for label, seconds in table:
+        print(f"{label:<44} {seconds:>8.3f} {n / seconds:>10,.0f}")
+    print()
+    print(f"catalog path / baseline time: {t_catalog / t_baseline:.2f}x   "
+          f"(target: >= 20,000 rows/s -> {'met' if n / t_catalog >= 20_000 else 'NOT met'})")
+    print(f"load of {n:,} rows: {t_load:.2f} s   (target: < 1.5 s -> {'met' if t_load < 1.5 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
