@@ -1,0 +1,111 @@
+"""Shared fixtures: real services, no mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llm import Gateway
+from llm.local import missing_models
+from rollout.apps import AppServer, BundledApp, load_app
+from rollout.env import BrowserEnv, Observation
+from rollout.policy import PolicyOutput
+from schemas.config import LLMSettings
+from schemas.records import Query
+
+# Prefect keeps its database under PREFECT_HOME; tests must not touch the user's.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="trajforge-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip when a service is missing, or fail when CI says services must be there."""
+    if condition:
+        return
+    if os.environ.get("TRAJFORGE_REQUIRE_SERVICES") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    require(CHROMIUM.exists(), f"Chromium not found at {CHROMIUM} (apt-get install chromium)")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="session")
+def trajforge_cli() -> str:
+    """The installed console script, as a user runs it."""
+    exe = shutil.which("trajforge") or str(Path(os.sys.executable).parent / "trajforge")
+    require(Path(exe).exists(), "the trajforge console script is not installed (pip install -e .)")
+    return exe
+
+POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The test PostgreSQL as a SQLAlchemy URL; skips without it unless services are required.
+
+    CI sets TRAJFORGE_REQUIRE_SERVICES=1 so that a missing database fails instead of
+    silently skipping the tests that matter most for production.
+    """
+    import psycopg
+
+    try:
+        with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        require(False, f"PostgreSQL not reachable at 127.0.0.1:5432: {exc}")
+    return POSTGRES_URL
+
+
+@pytest.fixture(scope="module")
+def shop() -> BundledApp:
+    return load_app("shop")
+
+
+@pytest.fixture(scope="module")
+def server(shop: BundledApp) -> Iterator[AppServer]:
+    """The shop served on loopback, as rollouts use it."""
+    with AppServer(shop) as srv:
+        yield srv
+
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
+    """The embedded model behind a gateway with no cache and no re-ask: every answer is a real model call."""
+    reason = missing_models()
+    require(reason is None, str(reason))
+    with Gateway(LLMSettings(reask=0)) as gw:
+        yield gw
+
+class ScriptedPolicy:
+    """Plays a fixed list of actions, repeating the last: the smallest real policy, for
+    tests of the episode recorder and the critics."""
+
+    name = model_id = "scripted"
+    prompt_version = "none"
+
+    def __init__(self, script: list[dict[str, Any]]) -> None:
+        self.script = script
+        self.i = 0
+
+    def reset(self, query: Query) -> None:
+        self.i = 0
+
+    def act(self, observation: Observation, env: BrowserEnv) -> PolicyOutput:
+        action = self.script[min(self.i, len(self.script) - 1)]
+        self.i += 1
+        return PolicyOutput(action, "scripted", json.dumps(action))

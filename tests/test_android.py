@@ -1,0 +1,180 @@
+"""The Android env's real adb command lines, run against outputs recorded on a device.
+
+No device is attached here, so `tests/fixtures/android/adb` stands in for the adb
+client (the edge we do not own): it logs every command and replies with the recorded
+screencap, uiautomator dump, window list and screen size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollout.android import AndroidEnv, parse_hierarchy
+from rollout.env import EnvFault
+
+FIXTURES = Path(__file__).parent / "fixtures" / "android"
+
+
+@pytest.fixture
+def device(tmp_path, monkeypatch):
+    log = tmp_path / "adb.log"
+    monkeypatch.setenv("FAKE_ADB_LOG", str(log))
+    env = AndroidEnv(
+        "emulator-5554", adb=str(FIXTURES / "adb"), server_port=5039,
+        packages={"Settings": "com.android.settings"}, probes={"wifi_on": "settings get global wifi_on"},
+    )
+    return env, log
+
+
+def commands(log: Path) -> list[str]:
+    return [line.removeprefix("-P 5039 -s emulator-5554 ") for line in log.read_text().splitlines()]
+
+
+def test_observation_from_screencap_and_view_hierarchy(device):
+    env, log = device
+    obs = env.observe()
+    assert (obs.width, obs.height) == (720, 1280)
+    assert obs.png == (FIXTURES / "screencap.png").read_bytes()
+    assert obs.url == "com.android.settings/com.android.settings.Settings"
+    assert obs.title == "com.android.settings"
+    lines = obs.ax_tree.splitlines()
+    assert 'button "Network & internet Mobile, Wi‑Fi, hotspot" (0,180,720,150)' in lines
+    assert 'switch "Dark theme" [checked] (560,500,136,60)' in lines
+    assert 'button "Navigate up" (0,1180,96,100)' in lines
+    # Every command names the device and its own ADB server port.
+    assert all(line.startswith("-P 5039 -s emulator-5554 ") for line in log.read_text().splitlines())
+
+
+def test_element_at_resolves_the_smallest_node(device):
+    env, _ = device
+    env.observe()
+    assert env.element_at(300, 380).name == "Display"
+    assert env.element_at(600, 530).role == "switch"
+    assert env.element_at(700, 170) is None
+
+
+@pytest.mark.parametrize(
+    ("action", "command"),
+    [
+        ({"type": "click", "x": 360.4, "y": 255}, "shell input tap 360 255"),
+        ({"type": "long_press", "x": 10, "y": 20}, "shell input swipe 10 20 10 20 1000"),
+        ({"type": "swipe", "x": 360, "y": 1000, "x2": 360, "y2": 300, "duration": 0.5},
+         "shell input swipe 360 1000 360 300 500"),
+        ({"type": "type", "text": "50% off it's"}, "shell input text '50\\%%soff%sit'\"'\"'s'"),
+        ({"type": "system_button", "button": "Back"}, "shell input keyevent 4"),
+        ({"type": "system_button", "button": "Home"}, "shell input keyevent 3"),
+        ({"type": "key", "key": "Enter"}, "shell input keyevent 66"),
+        ({"type": "key", "key": "b"}, "shell input keyevent 30"),
+        ({"type": "open", "text": "Settings"},
+         "shell monkey -p com.android.settings -c android.intent.category.LAUNCHER 1"),
+    ],
+)
+def test_actions_become_input_commands(device, action, command):
+    env, log = device
+    assert env.act(action) is None
+    assert commands(log)[-1] == command
+
+
+@pytest.mark.parametrize(
+    "action",
+    [{"type": "click", "x": 800, "y": 10}, {"type": "fly"}, {"type": "swipe", "x": 1, "y": 2},
+     {"type": "scroll", "x": 1, "y": 2, "dy": 100}],
+)
+def test_invalid_actions_are_reported_and_send_nothing(device, action):
+    env, log = device
+    env.screen_size()
+    before = commands(log)
+    assert env.act(action)  # an error message, not an exception
+    assert commands(log) == before
+
+
+def test_reset_clears_and_launches_the_app(device):
+    env, log = device
+    env.reset("episode-1", "com.android.settings/.Settings")
+    assert commands(log) == [
+        "shell am force-stop com.android.settings",
+        "shell pm clear com.android.settings",
+        "shell am start -W -n com.android.settings/.Settings",
+    ]
+    with pytest.raises(ValueError, match="package/activity"):
+        env.reset("episode-2", "https://example.org")
+
+
+def test_app_state_reads_activity_and_probes(device):
+    env, _ = device
+    assert env.app_state() == {"activity": "com.android.settings/com.android.settings.Settings", "wifi_on": "1"}
+
+
+def test_offline_device_is_an_environment_fault(device, monkeypatch):
+    env, _ = device
+    monkeypatch.setenv("FAKE_ADB_OFFLINE", "1")
+    with pytest.raises(EnvFault, match="emulator-5554") as err:
+        env.observe()
+    assert err.value.kind == "browser_crash"
+
+
+def test_a_broken_dump_is_an_environment_fault():
+    with pytest.raises(EnvFault, match="not valid XML"):
+        parse_hierarchy("<hierarchy><node")
+
+
+def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, monkeypatch):
+    from critics.checkers import checker_for
+    from data.blobs import BlobStore
+    from query_gen.android import android_queries
+    from rollout.stage import rollout
+    from schemas.config import AndroidTask, RolloutSettings
+
+    monkeypatch.setenv("FAKE_ADB_LOG", str(tmp_path / "adb.log"))
+    task = AndroidTask(instruction="Turn on Wi-Fi", start="com.android.settings/.Settings", probe="wifi_on",
+                       value="1", max_steps=2)
+    (query,) = android_queries([task], run_id="r")
+    settings = RolloutSettings(policy="random", android={
+        "adb": str(FIXTURES / "adb"), "devices": [{"serial": "emulator-5554", "adb_server_port": 5039}],
+        "probes": {"wifi_on": "settings get global wifi_on"},
+    })
+    out = rollout([query.model_dump()], run_id="r", settings=settings, blobs=BlobStore(tmp_path / "blobs"))
+    (episode,) = out.rows["episodes"]
+    assert episode.app == "android" and episode.viewport == "mobile" and episode.status in ("max_steps", "terminated")
+    assert 1 <= len(out.rows["steps"]) <= 2
+    assert all(s.action_type == "click" and s.url_before.startswith("com.android.settings/") for s in out.rows["steps"])
+    state = json.loads(episode.final_state_json)
+    assert checker_for("android")(query.checker, json.loads(query.checker_params_json), state) == (
+        True, "wifi_on = '1' (expected '1')")
+    log = commands(tmp_path / "adb.log")
+    assert log[:3] == ["shell am force-stop com.android.settings", "shell pm clear com.android.settings",
+                       "shell am start -W -n com.android.settings/.Settings"]
+    assert any(line.startswith("shell input tap ") for line in log)
+
+
+def test_android_queries_need_a_device_or_are_dropped_with_the_reason(tmp_path):
+    from data.blobs import BlobStore
+    from query_gen.android import android_queries
+    from rollout.stage import rollout
+    from schemas.config import AndroidTask, RolloutSettings
+
+    (query,) = android_queries([AndroidTask(instruction="x", start="a.b/.C", probe="p", value="1")], run_id="r")
+    out = rollout([query.model_dump()], run_id="r", settings=RolloutSettings(policy="random"),
+                  blobs=BlobStore(tmp_path / "blobs"))
+    assert out.rows["episodes"] == []
+    assert out.dropped == {"android query: no device configured (rollout.android.devices)": 1}
+
+
+def test_android_tasks_become_queries_in_the_query_gen_stage(tmp_path):
+    from schemas.config import Settings
+    from tasks.runner import commit, plan, run_shard
+    from tasks.stages import STAGES
+    from tasks.workspace import Workspace
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, query_gen={
+        "apps": [], "android_tasks": [{"instruction": "Turn on Wi-Fi", "start": "com.android.settings/.Settings",
+                                       "probe": "wifi_on", "value": "1"}]}))
+    p = plan(STAGES["query_gen"], ws, "run-a", None)
+    for shard in p.pending:
+        run_shard(p, shard, ws)
+    queries = ws.catalog.load("queries", commit(p, ws)["queries"])
+    assert queries["app"].to_list() == ["android"] and queries["path"].to_list() == [["com.android.settings/.Settings"]]
+    assert json.loads(queries["checker_params_json"][0]) == {"probe": "wifi_on", "value": "1"}

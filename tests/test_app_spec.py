@@ -1,0 +1,113 @@
+"""App page-graph specs: a broken spec fails on load with the file and field named."""
+
+import copy
+
+import pytest
+import yaml
+
+from query_gen.graph import SpecError, load_spec
+from query_gen.sampling import goal_paths, sample_tasks
+
+SPEC = {
+    "app": "mini",
+    "title": "Mini shop",
+    "start": "home",
+    "pages": {
+        "home": {"url": "/", "description": "Dish list", "purpose": "pick a dish", "slots": {"dish": ["Soup", "Pie"]}},
+        "search": {"url": "/search", "description": "Search", "purpose": "find a dish", "slots": {"dish": ["Soup", "Pie"]}},
+        "dish": {"url": "/dish", "description": "A dish", "purpose": "pick a size", "slots": {"size": ["small", "large"]}},
+        "cart": {
+            "url": "/cart",
+            "description": "Cart",
+            "purpose": "review",
+            "goal": {"checker": "in_cart", "params": {"dish": "{dish}", "size": "{size}"},
+                     "instruction": "Add a {size} {dish} to my cart"},
+        },
+    },
+    "transitions": [
+        {"from": "home", "to": "dish", "actions": [{"op": "click", "role": "link", "name": "{dish}"}]},
+        {"from": "home", "to": "search", "actions": [{"op": "click", "role": "link", "name": "Search"}]},
+        {"from": "search", "to": "dish", "actions": [
+            {"op": "type", "role": "searchbox", "name": "Search", "text": "{dish}"},
+            {"op": "click", "role": "link", "name": "{dish}"},
+        ]},
+        {"from": "dish", "to": "cart", "actions": [
+            {"op": "click", "role": "radio", "name": "{size}"},
+            {"op": "click", "role": "button", "name": "Add to cart"},
+        ]},
+    ],
+}
+
+
+def write(tmp_path, spec):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_valid_spec_loads_into_a_graph(tmp_path):
+    spec = load_spec(write(tmp_path, SPEC))
+    g = spec.graph()
+    assert set(g.nodes) == {"home", "search", "dish", "cart"}
+    assert g.edges["dish", "cart"]["transition"].actions[1].name == "Add to cart"
+    assert goal_paths(spec, 8) == [["home", "dish", "cart"], ["home", "search", "dish", "cart"]]
+
+
+def test_transition_to_missing_page_names_file_and_field(tmp_path):
+    bad = copy.deepcopy(SPEC)
+    bad["transitions"][3]["to"] = "checkout"
+    path = write(tmp_path, bad)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(path) in str(err.value)
+    assert "transitions[3].to: page 'checkout' does not exist" in str(err.value)
+
+
+def test_unknown_slot_and_field_errors(tmp_path):
+    bad = copy.deepcopy(SPEC)
+    bad["transitions"][0]["actions"][0]["name"] = "{colour}"
+    bad["pages"]["home"]["colour_typo"] = 1
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, bad))
+    assert "pages.home.colour_typo" in str(err.value)
+    bad["pages"]["home"].pop("colour_typo")
+    with pytest.raises(SpecError, match=r"transitions\[0\].actions\[0\].name: unknown slot \{colour\}"):
+        load_spec(write(tmp_path, bad))
+
+
+def test_cycle_is_rejected(tmp_path):
+    bad = copy.deepcopy(SPEC)
+    bad["transitions"].append({"from": "cart", "to": "home", "actions": [{"op": "click", "role": "link", "name": "Home"}]})
+    with pytest.raises(SpecError, match="acyclic.*cart"):
+        load_spec(write(tmp_path, bad))
+
+
+def test_sampling_is_seeded_distinct_and_covers_both_routes(tmp_path):
+    spec = load_spec(write(tmp_path, SPEC))
+    tasks = sample_tasks(spec, 4, seed=7, max_len=8)
+    assert tasks == sample_tasks(spec, 4, seed=7, max_len=8)
+    assert len({t.instruction for t in tasks}) == 4
+    assert {t.path for t in tasks} == {("home", "dish", "cart"), ("home", "search", "dish", "cart")}
+    for t in tasks:
+        slots = dict(t.slots)
+        assert t.instruction == f"Add a {slots['size']} {slots['dish']} to my cart"
+        assert dict(t.checker_params) == {"dish": slots["dish"], "size": slots["size"]}
+        assert t.reference_steps == (4 if len(t.path) == 3 else 6)
+
+
+def test_sampling_stops_at_what_the_graph_allows(tmp_path):
+    spec = load_spec(write(tmp_path, SPEC))
+    # 2 dishes x 2 sizes = 4 distinct instructions, whichever of the 2 routes reaches the cart.
+    assert len(sample_tasks(spec, 50, seed=0, max_len=8)) == 4
+
+
+def test_a_path_with_one_possible_task_does_not_starve_the_others(tmp_path):
+    spec = copy.deepcopy(SPEC)
+    spec["pages"]["prefs"] = {
+        "url": "/prefs", "description": "Prefs", "purpose": "save",
+        "goal": {"checker": "saved", "instruction": "Save my preferences"},
+    }
+    spec["transitions"].append({"from": "home", "to": "prefs", "actions": [{"op": "click", "role": "link", "name": "Prefs"}]})
+    tasks = sample_tasks(load_spec(write(tmp_path, spec)), 5, seed=0, max_len=8)
+    assert len(tasks) == 5  # 4 cart tasks + the single prefs task
+    assert sum(t.path == ("home", "prefs") for t in tasks) == 1

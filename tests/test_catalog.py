@@ -1,0 +1,357 @@
+"""The dataset catalog on real SQLite and PostgreSQL catalogs, with real Parquet files."""
+
+from __future__ import annotations
+
+import multiprocessing
+import uuid
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy
+from polars.exceptions import PerformanceWarning
+
+from data.catalog import TABLE_PROPERTIES, Catalog, CatalogError, Lineage, UnknownRef
+from schemas.records import Step
+from schemas.tables import RowError, arrow_schema, to_arrow
+
+
+def query_row(query_id: str, instruction: str | None = None, run_id: str = "run-1") -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "query_id": query_id,
+        "app": "notes",
+        "source": "page_graph",
+        "instruction": instruction or f"open note {query_id}",
+        "path": ["home", "note"],
+        "slots_json": '{"title": "groceries"}',
+        "checker": "note_exists",
+        "checker_params_json": "{}",
+        "max_steps": 8,
+        "generator": "template-v1",
+        "created_at": datetime(2026, 11, 21, 12, 0, tzinfo=timezone.utc),
+    }
+
+
+def step_row(step_id: str, **extra: Any) -> dict[str, Any]:
+    row = {
+        "run_id": "run-1",
+        "step_id": step_id,
+        "episode_id": "ep-1",
+        "step_index": 0,
+        "screenshot_before": "a" * 64,
+        "screenshot_after": "b" * 64,
+        "width": 1024,
+        "height": 600,
+        "url_before": "http://127.0.0.1/notes",
+        "url_after": "http://127.0.0.1/notes/1",
+        "title_before": "Notes",
+        "title_after": "Note 1",
+        "ax_tree_before": "main\n  button New note",
+        "action_type": "click",
+        "action_json": '{"x": 10, "y": 20}',
+        "action_valid": True,
+        "thought": "open the first note",
+        "raw_output": "click(10, 20)",
+        "duration_ms": 61.5,
+    }
+    row.update(extra)
+    return row
+
+
+def lineage(commit_key: str, stage: str = "query_gen", **kw: Any) -> Lineage:
+    return Lineage(
+        stage=stage,
+        run_id=kw.pop("run_id", "run-1"),
+        commit_key=commit_key,
+        config_hash="cfg-123",
+        code_version="abc1234",
+        **kw,
+    )
+
+
+def _purge_postgres(url: str, catalog_name: str) -> None:
+    """Remove a test catalog's rows from the shared database."""
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            for table in ("iceberg_tables", "iceberg_namespace_properties"):
+                conn.execute(sqlalchemy.text(f"DELETE FROM {table} WHERE catalog_name = :n"), {"n": catalog_name})
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def catalog(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Catalog]:
+    uri = request.getfixturevalue("postgres_url") if request.param == "postgres" else None
+    name = f"test-{uuid.uuid4().hex}"
+    cat = Catalog(tmp_path / "warehouse", uri=uri, name=name)
+    yield cat
+    cat.close()
+    if uri is not None:
+        _purge_postgres(uri, name)
+
+
+def test_commit_and_load(catalog: Catalog) -> None:
+    assert catalog.resolve("queries") == ("queries", None)
+    empty = catalog.load("queries")
+    assert empty.height == 0
+    assert empty.schema["created_at"] == pl.Datetime("us", "UTC")
+    assert empty.schema["path"] == pl.List(pl.String)
+
+    snapshot = catalog.commit_rows("queries", [query_row(f"q{i}") for i in range(5)], lineage("qg-1"))
+
+    df = catalog.load("queries")
+    assert sorted(df["query_id"]) == [f"q{i}" for i in range(5)]
+    assert df.filter(pl.col("query_id") == "q0")["path"].to_list() == [["home", "note"]]
+    assert catalog.resolve("queries") == ("queries", snapshot)
+    assert catalog.resolve("queries@latest") == ("queries", snapshot)
+    assert catalog.tables() == ["queries"]
+
+
+def test_commit_files_from_shards(catalog: Catalog) -> None:
+    folder = catalog.data_dir("steps")
+    assert folder.is_dir() and folder.is_relative_to(catalog.warehouse)
+    shards = []
+    for shard in range(3):
+        path = folder / f"shard-{shard}.parquet"
+        pq.write_table(to_arrow("steps", [step_row(f"s{shard}-{i}") for i in range(4)]), path)
+        shards.append(path)
+
+    snapshot = catalog.commit_files("steps", shards, lineage("rollout-1", stage="rollout", kept={"steps": 12}))
+
+    assert catalog.load("steps").height == 12
+    (info,) = catalog.history("steps")
+    assert info.snapshot_id == snapshot and info.added_rows == 12 and info.stage == "rollout"
+
+
+def test_time_travel(catalog: Catalog) -> None:
+    first = catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    second = catalog.commit_rows("queries", [query_row("q2"), query_row("q3")], lineage("qg-2"))
+
+    assert catalog.load("queries", first)["query_id"].to_list() == ["q1"]
+    assert catalog.load(f"queries@{first}")["query_id"].to_list() == ["q1"]
+    assert sorted(catalog.load("queries", second)["query_id"]) == ["q1", "q2", "q3"]
+    assert catalog.scan("queries").select(pl.len()).collect().item() == 3
+
+
+def test_tag_then_resolve(catalog: Catalog) -> None:
+    first = catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    second = catalog.commit_rows("queries", [query_row("q2")], lineage("qg-2"))
+
+    assert catalog.tag("queries", first, "nightly-2026-11-22") == first
+    assert catalog.resolve("queries@nightly-2026-11-22") == ("queries", first)
+    assert catalog.load("queries", "nightly-2026-11-22").height == 1
+
+    catalog.tag("queries", "latest", "nightly-2026-11-22")  # moving a tag replaces it
+    assert catalog.resolve("queries@nightly-2026-11-22") == ("queries", second)
+
+    with pytest.raises(ValueError, match="ambiguous"):
+        catalog.tag("queries", first, "12345")
+
+
+def test_resolve_errors_name_the_ref(catalog: Catalog) -> None:
+    with pytest.raises(UnknownRef, match="'nosuch@3'.*unknown table 'nosuch'"):
+        catalog.resolve("nosuch@3")
+    with pytest.raises(UnknownRef, match="'queries@nightly-x'.*no versions yet"):
+        catalog.resolve("queries@nightly-x")
+
+    catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    with pytest.raises(UnknownRef, match="'queries@123'.*no snapshot 123"):
+        catalog.resolve("queries@123")
+    with pytest.raises(UnknownRef, match="'queries@nightly-2020-01-01'.*no tag 'nightly-2020-01-01'"):
+        catalog.load("queries", "nightly-2020-01-01")
+    assert catalog.tables() == ["queries"]  # reads never create tables
+
+
+def test_history_lists_versions_with_lineage(catalog: Catalog) -> None:
+    lin1 = lineage(
+        "qg-1",
+        inputs={"apps": 7},
+        models={"instruction_writer": "smollm2-135m"},
+        prompts={"instruction": "v3"},
+        kept={"queries": 2},
+        dropped={"duplicate": 1, "invalid_path": 4},
+    )
+    first = catalog.commit_rows("queries", [query_row("q1"), query_row("q2")], lin1)
+    second = catalog.commit_rows("queries", [query_row("q3")], lineage("qg-2", run_id="run-2"))
+    catalog.tag("queries", first, "nightly-2026-11-22")
+
+    history = catalog.history("queries")
+
+    assert [h.snapshot_id for h in history] == [first, second]
+    assert [h.added_rows for h in history] == [2, 1]
+    assert [h.total_rows for h in history] == [2, 3]
+    assert [h.run_id for h in history] == ["run-1", "run-2"]
+    assert history[0].tags == ["nightly-2026-11-22"] and history[1].tags == []
+    assert history[0].operation == "append" and history[0].stage == "query_gen"
+    assert history[0].lineage == lin1
+    assert history[0].committed_at <= history[1].committed_at
+    assert catalog.lineage("queries", first) == lin1
+    assert catalog.lineage("queries").commit_key == "qg-2"  # type: ignore[union-attr]
+    assert catalog.history("steps") == []
+
+
+def test_overwrite_is_one_version(catalog: Catalog) -> None:
+    first = catalog.commit_rows("queries", [query_row("q1"), query_row("q2")], lineage("qg-1"))
+    catalog.commit_rows("queries", [query_row("q3")], lineage("qg-2"))
+
+    replaced = catalog.commit_rows("queries", [query_row("q9")], lineage("qg-3"), mode="overwrite")
+
+    history = catalog.history("queries")
+    assert len(history) == 3
+    assert history[-1].snapshot_id == replaced
+    assert history[-1].operation == "overwrite"
+    assert history[-1].lineage is not None and history[-1].lineage.commit_key == "qg-3"
+    assert (history[-1].added_rows, history[-1].total_rows) == (1, 1)
+    assert catalog.load("queries")["query_id"].to_list() == ["q9"]
+    assert sorted(catalog.load("queries", first)["query_id"]) == ["q1", "q2"]  # old versions stay readable
+
+
+def test_overwrite_of_an_empty_table(catalog: Catalog) -> None:
+    catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"), mode="overwrite")
+    assert catalog.load("queries")["query_id"].to_list() == ["q1"]
+
+
+def test_a_commit_without_rows_is_still_a_version(catalog: Catalog) -> None:
+    """A stage that dropped everything still records why, in the version's lineage."""
+    catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    snapshot = catalog.commit_rows("queries", [], lineage("qg-2", dropped={"invalid_path": 5}))
+
+    assert catalog.load("queries").height == 1
+    assert catalog.history("queries")[-1].added_rows == 0
+    assert catalog.lineage("queries", snapshot).dropped == {"invalid_path": 5}  # type: ignore[union-attr]
+
+
+def test_commit_key_is_idempotent(catalog: Catalog) -> None:
+    first = catalog.commit_rows("queries", [query_row("q1"), query_row("q2")], lineage("qg-1"))
+
+    again = catalog.commit_rows("queries", [query_row("q1"), query_row("q2")], lineage("qg-1"))
+    shard = catalog.data_dir("queries") / "other.parquet"
+    pq.write_table(to_arrow("queries", [query_row("q3")]), shard)
+    files_again = catalog.commit_files("queries", [shard], lineage("qg-1"))
+
+    assert again == first == files_again
+    assert len(catalog.history("queries")) == 1
+    assert catalog.load("queries").height == 2
+    # The same key may be used on another table (one stage run writing two tables).
+    catalog.commit_rows("steps", [step_row("s1")], lineage("qg-1"))
+    assert catalog.load("steps").height == 1
+
+
+def test_row_error_leaves_table_untouched(catalog: Catalog) -> None:
+    catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    files_before = sorted(catalog.data_dir("queries").iterdir())
+    bad = query_row("q3")
+    bad["max_steps"] = 0
+
+    with pytest.raises(RowError) as raised:
+        catalog.commit_rows("queries", [query_row("q2"), bad], lineage("qg-2"))
+
+    message = str(raised.value)
+    assert "'queries'" in message and "row 1" in message and "query_id=q3" in message and "max_steps" in message
+    assert len(catalog.history("queries")) == 1
+    assert catalog.load("queries").height == 1
+    assert sorted(catalog.data_dir("queries").iterdir()) == files_before
+
+
+def test_diff(catalog: Catalog) -> None:
+    a = catalog.commit_rows("queries", [query_row("q0"), query_row("q1"), query_row("q2")], lineage("qg-1"))
+    rows_b = [query_row("q1", instruction="open the note titled groceries"), query_row("q2"), query_row("q3")]
+    b = catalog.commit_rows("queries", rows_b, lineage("qg-2"), mode="overwrite")
+
+    diff = catalog.diff("queries", a, b)
+
+    assert (diff.a, diff.b, diff.key) == (a, b, "query_id")
+    assert diff.added["query_id"].to_list() == ["q3"]
+    assert diff.removed["query_id"].to_list() == ["q0"]
+    assert diff.changed == ["q1"]
+    assert (diff.n_added, diff.n_removed, diff.n_changed) == (1, 1, 1)
+    assert catalog.diff("queries", b, b).n_changed == 0
+
+
+def test_schema_evolution_adds_optional_columns(catalog: Catalog) -> None:
+    """A table built by an older model (without the target_* fields) gains them on next use."""
+    added = {"target_role", "target_name"}
+    full = arrow_schema(Step)
+    narrow = pa.schema([f for f in full if f.name not in added], metadata=full.metadata)
+    old_table = catalog.iceberg.create_table(
+        (catalog.namespace, "steps"), schema=narrow, properties={**TABLE_PROPERTIES, "trajforge.schema_version": "1"}
+    )
+    old_rows = to_arrow("steps", [step_row("s-old")]).select(narrow.names).cast(narrow)
+    old_table.append(old_rows)
+    old_snapshot = old_table.current_snapshot().snapshot_id  # type: ignore[union-attr]
+
+    fresh = Catalog(catalog.warehouse, uri=catalog.uri, name=catalog.iceberg.name)  # no cached table
+    try:
+        assert not added & set(fresh.load("steps").columns)  # reading does not change the table
+        fresh.commit_rows("steps", [step_row("s-new", target_role="button", target_name="New note")], lineage("r-1"))
+        latest = fresh.load("steps").sort("step_id")
+        assert added <= set(latest.columns)
+        assert latest["target_role"].to_list() == ["button", None]
+        assert not added & set(fresh.load("steps", old_snapshot).columns)  # old snapshots keep the old schema
+    finally:
+        fresh.close()
+
+
+def test_new_required_column_is_refused(catalog: Catalog) -> None:
+    full = arrow_schema(Step)
+    narrow = full.remove(full.get_field_index("thought"))  # a required field
+    catalog.iceberg.create_table((catalog.namespace, "steps"), schema=narrow, properties=TABLE_PROPERTIES)
+    with pytest.raises(CatalogError, match="required column.*thought"):
+        catalog.table("steps")
+
+
+def test_scan_does_not_warn(catalog: Catalog) -> None:
+    catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        assert catalog.load("queries").height == 1
+
+
+def _commit_worker(warehouse: str, uri: str, name: str, worker: int, commits: int, barrier: Any) -> None:
+    cat = Catalog(Path(warehouse), uri=uri, name=name)
+    try:
+        cat.table("queries")
+        barrier.wait(timeout=60)
+        for c in range(commits):
+            rows = [query_row(f"w{worker}-c{c}-{i}") for i in range(10)]
+            cat.commit_rows("queries", rows, lineage(f"w{worker}-c{c}", run_id=f"worker-{worker}"))
+    finally:
+        cat.close()
+
+
+@pytest.mark.postgres
+def test_concurrent_commits_from_two_processes(postgres_url: str, tmp_path: Path) -> None:
+    name = f"test-{uuid.uuid4().hex}"
+    warehouse = tmp_path / "warehouse"
+    cat = Catalog(warehouse, uri=postgres_url, name=name)
+    try:
+        cat.table("queries")
+        ctx = multiprocessing.get_context("spawn")
+        barrier = ctx.Barrier(2)
+        commits = 10  # enough that the two writers conflict and retry (they do, every run)
+        procs = [
+            ctx.Process(target=_commit_worker, args=(str(warehouse), postgres_url, name, w, commits, barrier))
+            for w in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=180)
+        assert [p.exitcode for p in procs] == [0, 0]
+
+        df = cat.load("queries")
+        assert df.height == 2 * commits * 10
+        assert df["query_id"].n_unique() == df.height
+        history = cat.history("queries")
+        assert len(history) == 2 * commits
+        assert len({h.lineage.commit_key for h in history if h.lineage}) == 2 * commits
+    finally:
+        cat.close()
+        _purge_postgres(postgres_url, name)

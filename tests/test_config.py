@@ -1,0 +1,103 @@
+"""Configuration: embedded defaults, file + environment, and errors that name file and field."""
+
+from pathlib import Path
+
+import pytest
+
+from schemas.config import ConfigError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("TRAJFORGE_") and name != "TRAJFORGE_REQUIRE_SERVICES":
+            monkeypatch.delenv(name)
+
+
+def test_defaults_without_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings()
+    assert settings.warehouse.path == Path("data/warehouse")
+    assert settings.warehouse.catalog_url is None
+    from rollout.apps import known_apps
+
+    assert sorted(settings.query_gen.apps) == known_apps()  # every bundled app by default
+
+
+def test_file_then_environment_override(tmp_path, monkeypatch):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("rollout:\n  contexts: 3\n  viewport: desktop\n")
+    monkeypatch.setenv("TRAJFORGE_ROLLOUT__CONTEXTS", "4")
+    settings = load_settings(cfg)
+    assert settings.rollout.contexts == 4
+    assert settings.rollout.viewport == "desktop"
+
+
+def test_unknown_key_names_file_and_field(tmp_path):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("rollout:\n  contxts: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert str(cfg) in str(err.value)
+    assert "rollout.contxts" in str(err.value)
+
+
+def test_invalid_value_names_file_and_field(tmp_path):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("rollout:\n  contexts: 0\n")
+    with pytest.raises(ConfigError, match=r"trajforge.yaml: field 'rollout.contexts'"):
+        load_settings(cfg)
+
+
+def test_invalid_environment_value_names_variable(monkeypatch):
+    monkeypatch.setenv("TRAJFORGE_ROLLOUT__VIEWPORT", "tablet")
+    with pytest.raises(ConfigError, match="TRAJFORGE_ROLLOUT__VIEWPORT"):
+        load_settings()
+
+
+def test_unknown_environment_variable(monkeypatch):
+    monkeypatch.setenv("TRAJFORGE_ROLOUT__CONTEXTS", "2")
+    with pytest.raises(ConfigError, match="TRAJFORGE_ROLOUT__CONTEXTS: unknown setting"):
+        load_settings()
+
+
+def test_catalog_url_is_a_secret_and_kept_out_of_hashes(tmp_path):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("warehouse:\n  catalog_url: postgresql+psycopg://u:hunter2@db/x\n")
+    settings = load_settings(cfg)
+    assert "hunter2" not in repr(settings)
+    assert "hunter2" not in settings.model_dump_json()
+    assert settings.warehouse.catalog_url.get_secret_value().endswith("@db/x")
+
+
+@pytest.mark.parametrize(
+    ("name", "known"),
+    [
+        ("TRAJFORGE_LLM__LOCAL__MODEL", True),
+        ("TRAJFORGE_LLM__ENDPOINTS__VLLM__BASE_URL", True),
+        ("TRAJFORGE_ROLLOUT", True),
+        ("TRAJFORGE_ROLLOUT__CONTEXTS__X", False),
+        ("TRAJFORGE_LLM__LOCAL__MODLE", False),
+    ],
+)
+def test_nested_environment_variables(name, known, monkeypatch):
+    monkeypatch.setenv(name, "1")
+    if known:
+        try:
+            load_settings()
+        except ConfigError as exc:
+            assert "unknown setting" not in str(exc)
+    else:
+        with pytest.raises(ConfigError, match=f"{name}: unknown setting"):
+            load_settings()
+
+
+def test_endpoint_given_by_nested_environment_variables(monkeypatch):
+    monkeypatch.setenv("TRAJFORGE_LLM__ENDPOINTS__VLLM__BASE_URL", "http://127.0.0.1:8000/v1")
+    monkeypatch.setenv("TRAJFORGE_LLM__ENDPOINTS__VLLM__MODEL", "gui-owl-7b")
+    monkeypatch.setenv("TRAJFORGE_LLM__DEFAULT", "vllm")
+    settings = load_settings()
+    assert settings.llm.endpoints["vllm"].model == "gui-owl-7b"
+    assert settings.llm.default == "vllm"

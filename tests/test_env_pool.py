@@ -1,0 +1,245 @@
+"""The environment pool against real Chromium and the real shop: isolation between
+contexts, the known state after a reset, element boxes, and environment faults (a
+killed browser, a server that is down, one that never answers) classified and rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import cast
+
+import networkx as nx
+import pytest
+
+from data.blobs import BlobRef, BlobStore
+from query_gen.graph import AppSpec
+from rollout.apps import AppServer, BundledApp
+from rollout.env import BrowserEnv, EnvFault
+from rollout.episode import run_episode
+from rollout.pool import EnvPool
+from rollout.replay import ReplayPolicy
+from rollout.stage import episode_id_for, rollout
+from schemas.config import RolloutSettings
+from schemas.records import Episode, Query, Step
+
+
+def goal_query(spec: AppSpec, goal: str, query_id: str) -> Query:
+    """A query for the shortest path to `goal`, each slot taking its first value."""
+    path = nx.shortest_path(spec.graph(), spec.start, goal)
+    slots: dict[str, str] = {}
+    for page_id in path:
+        for slot, values in spec.pages[page_id].slots.items():
+            slots.setdefault(slot, values[0])
+    page_goal = spec.pages[goal].goal
+    assert page_goal is not None
+    return Query(
+        run_id="test", query_id=query_id, app=spec.app, source="page_graph",
+        instruction=page_goal.instruction.format_map(slots), path=path, slots_json=json.dumps(slots),
+        checker=page_goal.checker,
+        checker_params_json=json.dumps({k: v.format_map(slots) for k, v in page_goal.params.items()}),
+        max_steps=20, generator="tests", created_at=datetime.now(timezone.utc),
+    )
+
+
+def add_to_cart(env: BrowserEnv, dish: str) -> None:
+    """Change the app's state from the page, as a script of the app would."""
+    env.page.evaluate("dish => fetch('/cart/add', {method: 'POST', body: new URLSearchParams("
+                      "{dish, size: 'Small', quantity: '1'})})", dish)
+
+
+@pytest.fixture(scope="module")
+def pool(chromium: Path, server: AppServer) -> Iterator[EnvPool]:
+    with EnvPool(2, viewport="desktop", chromium=chromium) as p:
+        yield p
+
+
+@pytest.mark.browser
+def test_contexts_are_isolated_from_each_other(pool: EnvPool, server: AppServer) -> None:
+    """Two envs on one origin, run in parallel: neither sees the other's app state, storage or cookies."""
+    barrier = threading.Barrier(2)
+
+    def episode(env: BrowserEnv, name: str) -> dict[str, object]:
+        env.reset(f"iso-{name}", server.base_url + "/")
+        env.page.evaluate("name => { localStorage.setItem('who', name); document.cookie = 'mine=' + name; }", name)
+        if name == "a":
+            add_to_cart(env, "Pad Thai")
+        barrier.wait(timeout=30)  # both have written before either reads
+        return {"state": env.app_state(), "who": env.page.evaluate("localStorage.getItem('who')"),
+                "cookie": env.page.evaluate("document.cookie")}
+
+    a, b = pool.map(episode, ["a", "b"])
+    assert [line["dish"] for line in a["state"]["cart"]] == ["Pad Thai"]  # type: ignore[index]
+    assert b["state"]["cart"] == []  # type: ignore[index]
+    assert (a["who"], b["who"]) == ("a", "b")
+    assert "mine=a" in str(a["cookie"]) and "mine=a" not in str(b["cookie"])
+
+
+@pytest.mark.browser
+def test_reset_gives_the_known_state(pool: EnvPool, server: AppServer, shop: BundledApp) -> None:
+    env = pool.envs[0]
+    env.reset("known", server.base_url + "/")
+    add_to_cart(env, "Caesar Salad")
+    env.page.evaluate("localStorage.setItem('x', '1'); sessionStorage.setItem('y', '2'); document.cookie = 'z=3'")
+    env.page.goto(server.base_url + "/cart")
+    assert env.app_state()["cart"]
+
+    env.reset("known", server.base_url + "/")  # the same session id: the app must forget it too
+    assert env.app_state() == shop.initial_state()
+    assert env.page.evaluate("[localStorage.length, sessionStorage.length, history.length]") == [0, 0, 1]
+    assert env.page.evaluate("document.cookie") == "tf_session=known"
+    assert env.page.go_back() is None, "Back must not reach the last episode's pages"
+
+
+@pytest.mark.browser
+def test_ax_tree_boxes_match_the_elements(pool: EnvPool, server: AppServer) -> None:
+    env = pool.envs[1]
+    env.reset("boxes", server.base_url + "/")
+    full = (env.width, env.height)
+    env.resize(env.width, 300)  # short, so scrolling moves the boxes
+    try:
+        for scroll in (0, 60):
+            if scroll:
+                assert env.act({"type": "scroll", "x": 600, "y": 150, "dy": scroll}) is None
+            obs = env.observe()
+            line = next(li for li in obs.ax_tree.splitlines() if li.strip().startswith('link "Search"'))
+            box = [int(v) for v in re.search(r"\((-?\d+),(-?\d+),(\d+),(\d+)\)$", line).groups()]  # type: ignore[union-attr]
+            expected = env.page.get_by_role("link", name="Search", exact=True).bounding_box()
+            assert box == pytest.approx([expected["x"], expected["y"], expected["width"], expected["height"]], abs=1)
+            target = env.element_at(expected["x"] + 5, expected["y"] + 5)
+            assert target is not None and (target.role, target.name) == ("link", "Search")
+            assert target.box == pytest.approx(tuple(expected.values()), abs=1)
+    finally:
+        env.resize(*full)
+
+
+def _own_browser_pids() -> list[int]:
+    """Chromium browser processes (not its renderers) started by this test process, newest last."""
+    procs: dict[int, tuple[int, int, list[bytes]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            procs[int(entry)] = (int(fields[1]), int(fields[19]), cmdline)  # ppid, start time
+
+    def mine(pid: int) -> bool:
+        while pid in procs and pid != os.getpid():
+            pid = procs[pid][0]
+        return pid == os.getpid()
+
+    browsers = [pid for pid, (_, _, cmd) in procs.items()
+                if cmd[0].endswith(b"/chromium") and not any(a.startswith(b"--type=") for a in cmd) and mine(pid)]
+    return sorted(browsers, key=lambda pid: procs[pid][1])
+
+
+class KillingBlobStore(BlobStore):
+    """A real blob store that kills this process's newest browser while storing its Nth screenshot,
+    so the crash lands in the middle of an episode."""
+
+    def __init__(self, root: Path, kill_at: int) -> None:
+        super().__init__(root)
+        self.kill_at, self.puts, self.killed = kill_at, 0, 0
+        self._lock = threading.Lock()
+
+    def put(self, data: bytes) -> BlobRef:
+        with self._lock:
+            self.puts += 1
+            if self.puts == self.kill_at:
+                self.killed = _own_browser_pids()[-1]
+                os.kill(self.killed, signal.SIGKILL)
+        return super().put(data)
+
+
+@pytest.mark.browser
+def test_killed_browser_gives_env_fault_episodes_and_reruns_that_succeed(chromium: Path, shop: BundledApp,
+                                                                         tmp_path: Path) -> None:
+    queries = [goal_query(shop.spec, "cart", "q-cart"), goal_query(shop.spec, "settings_saved", "q-settings")]
+    blobs = KillingBlobStore(tmp_path / "blobs", kill_at=3)
+    settings = RolloutSettings(policy="replay", viewport="desktop", contexts=2, max_fault_retries=1, chromium=chromium)
+    out = rollout([q.model_dump() for q in queries], run_id="run-kill", settings=settings, blobs=blobs)
+
+    assert blobs.killed
+    episodes = cast(list[Episode], out.rows["episodes"])
+    faults = [e for e in episodes if e.status == "env_fault"]
+    assert faults, "the kill must cost at least the episode it interrupted"
+    assert all(e.fault_kind == "browser_crash" and e.attempt == 1 for e in faults), [(e.fault_kind, e.attempt, e.fault) for e in faults]
+    for q in queries:
+        mine = [e for e in episodes if e.query_id == q.query_id]
+        assert [e.attempt for e in mine] == list(range(1, len(mine) + 1))
+        assert [e.episode_id for e in mine] == [episode_id_for("run-kill", q.query_id, a)
+                                                for a in range(1, len(mine) + 1)]
+        assert mine[-1].status == "terminated", mine[-1].fault
+        ok, reason = shop.check(q.checker, json.loads(q.checker_params_json), json.loads(mine[-1].final_state_json))
+        assert ok, reason
+    assert len({e.episode_id for e in episodes}) == len(episodes)
+    assert out.dropped == {"env_fault browser_crash: rerun": len(faults)}
+    steps = cast(list[Step], out.rows["steps"])
+    assert {s.episode_id for s in steps} <= {e.episode_id for e in episodes}
+    assert len(steps) == sum(e.num_steps for e in episodes)
+
+
+@pytest.mark.browser
+def test_faults_without_reruns_left_are_counted(chromium: Path, shop: BundledApp, tmp_path: Path) -> None:
+    blobs = KillingBlobStore(tmp_path / "blobs", kill_at=2)
+    settings = RolloutSettings(policy="replay", viewport="mobile", contexts=1, max_fault_retries=0, chromium=chromium)
+    out = rollout([goal_query(shop.spec, "cart", "q-once").model_dump()], run_id="run-once",
+                  settings=settings, blobs=blobs)
+    [episode] = cast(list[Episode], out.rows["episodes"])
+    assert (episode.status, episode.fault_kind, episode.attempt) == ("env_fault", "browser_crash", 1)
+    assert out.dropped == {"env_fault browser_crash: no reruns left": 1}
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.browser
+def test_app_server_down_is_classified(chromium: Path, shop: BundledApp, server: AppServer,
+                                       tmp_path: Path) -> None:
+    down = f"http://127.0.0.1:{_unused_port()}"
+    with BrowserEnv(chromium=chromium, apps={"Gone": down + "/"}) as env:
+        with pytest.raises(EnvFault) as fault:
+            env.reset("down", down + "/")
+        assert fault.value.kind == "app_down"
+
+        query = goal_query(shop.spec, "cart", "q-down")
+        episode, steps = run_episode(env, ReplayPolicy(shop.spec), query, run_id="t", episode_id="ep-down",
+                                     blobs=BlobStore(tmp_path / "blobs"), start_url=down + "/")
+        assert (episode.status, episode.fault_kind, steps) == ("env_fault", "app_down", [])
+
+        # Mid-episode: opening the app, or following a link to it, while its server is down.
+        env.reset("up", server.base_url + "/")
+        with pytest.raises(EnvFault) as fault:
+            env.act({"type": "open", "text": "Gone"})
+        assert fault.value.kind == "app_down"
+        env.reset("up", server.base_url + "/")
+        env.page.evaluate("url => document.body.insertAdjacentHTML('afterbegin', "
+                          "`<a href='${url}' style='position:fixed;left:0;top:0;padding:20px'>Gone</a>`)", down)
+        assert env.act({"type": "click", "x": 10, "y": 10}) is None
+        with pytest.raises(EnvFault) as fault:
+            env.observe()
+        assert fault.value.kind == "app_down"
+
+
+@pytest.mark.browser
+def test_a_server_that_never_answers_is_a_timeout(chromium: Path, server: AppServer) -> None:
+    with socket.socket() as silent, BrowserEnv(chromium=chromium, action_timeout_s=1) as env:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connections are accepted by the kernel, never answered
+        with pytest.raises(EnvFault) as fault:
+            env.reset("silent", f"http://127.0.0.1:{silent.getsockname()[1]}/", app_protocol=False)
+        assert fault.value.kind == "timeout"
+        env.reset("after", server.base_url + "/")  # the env recovers at its next reset
+        assert env.observe().title.startswith("Home")

@@ -1,0 +1,80 @@
+"""The end-to-end training table as a fine-tuning job reads it: plain pyarrow on the Parquet
+files of the tagged snapshot, after a real nightly run (replay policy: accepted trajectories)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from test_pipeline import cli, workspace
+
+pytestmark = pytest.mark.browser
+
+CONFIG = """
+query_gen:
+  apps: [shop]
+  num_queries: 2
+  deep_search_apps: []
+rollout:
+  policy: replay
+  contexts: 2
+critics:
+  step_critic: rules
+  text_channel: false
+"""
+
+
+@pytest.fixture(scope="module")
+def night(tmp_path_factory, chromium, trajforge_cli):
+    cwd = tmp_path_factory.mktemp("export")
+    (cwd / "trajforge.yaml").write_text(CONFIG)
+    cli(trajforge_cli, cwd, "run", "nightly")
+    ws = workspace(cwd)
+    (tag,) = [t for t in ws.catalog.history("train_e2e")[-1].tags if t.startswith("nightly-")]
+    table = ws.catalog.table("train_e2e")
+    snapshot = table.snapshot_by_name(tag)
+    tasks = table.scan(snapshot_id=snapshot.snapshot_id).plan_files()
+    files = [task.file.file_path.removeprefix("file://") for task in tasks]
+    return ws, tag, pa.concat_tables([pq.read_table(f) for f in files])
+
+
+def test_one_row_per_good_or_neutral_step_of_an_accepted_trajectory(night):
+    ws, tag, data = night
+    accepted = set(ws.catalog.load("verdicts").filter(pl.col("success"))["episode_id"])
+    assert accepted, "replayed reference paths are accepted by the checker"
+    labels = dict(ws.catalog.load("step_critiques").select("step_id", "label").iter_rows())
+    steps = ws.catalog.load("steps").filter(pl.col("episode_id").is_in(list(accepted)) & pl.col("action_valid"))
+    expected = {s for s in steps["step_id"] if labels[s] in ("GOOD", "NEUTRAL")}
+    assert expected and set(data["step_id"].to_pylist()) == expected and data.num_rows == len(expected)
+    assert set(data["tag"].to_pylist()) == {tag} and set(data["label"].to_pylist()) <= {"GOOD", "NEUTRAL"}
+    lineage = ws.catalog.lineage("train_e2e", tag)
+    assert lineage.kept == {"train_e2e": len(expected)} and lineage.prompts == {"gui_owl_e2e": "1"}
+
+
+def test_messages_are_qwen_chat_with_the_action_as_a_function_call_and_images_decode(night):
+    ws, _, data = night
+    steps = {s["step_id"]: s for s in ws.catalog.load("steps").to_dicts()}
+    for row in data.to_pylist():
+        messages = json.loads(row["messages_json"])
+        assert [m["role"] for m in messages] == ["system", "user", "assistant"]
+        assert "mobile_use" in messages[0]["content"][0]["text"]
+        images = [p for m in messages for p in m["content"] if p["type"] == "image"]
+        assert len(images) == len(row["images"]) == 1
+        for png in row["images"]:
+            with Image.open(io.BytesIO(png)) as image:
+                image.load()
+                step = steps[row["step_id"]]
+                assert image.size == (step["width"], step["height"])
+        answer = messages[-1]["content"][0]["text"]
+        call = json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>$", answer, re.DOTALL).group(1))
+        action = json.loads(step["action_json"])
+        assert call["name"] == "mobile_use" and call["arguments"]["action"] == step["action_type"]
+        if "x" in action:
+            assert call["arguments"]["coordinate"] == [action["x"], action["y"]]
+        assert answer.startswith(f"<thinking>{step['thought']}</thinking>")

@@ -1,0 +1,158 @@
+"""Hard-query selection, guidance distillation and its inputs, without a browser.
+
+The template describer is checked on recorded steps; one test asks the embedded model
+(two calls) to show the default describer's rows name the model, prompts and how it saw
+the screens.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from conftest import require
+from PIL import Image
+
+from data.blobs import BlobStore
+from guidance.distill import Describer, guidance_row, rule_check
+from guidance.history import hardness
+from guidance.stage import guide, load_demonstrations
+from llm import Gateway, load_prompt
+from llm.local import missing_models
+from rollout.gui_owl import PROMPT, ToolCall, to_action, to_call
+from schemas.config import Settings
+
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+TREE_HOME = 'RootWebArea "Home" (0,0,412,915)\n  link "Settings" (10,10,80,30)\n  link "Cart" (100,10,60,30)'
+TREE_SETTINGS = ('RootWebArea "Settings" (0,0,412,915)\n  heading "Settings" (10,10,200,40)\n'
+                 '  button "Save" (10,90,80,40)')
+
+
+def at(*results: bool) -> list[tuple[datetime, bool]]:
+    return [(T0 + timedelta(days=i), ok) for i, ok in enumerate(results)]
+
+
+def step(index: int, action_type: str = "click", *, thought: str = "", target: str | None = "Settings",
+         after: str = TREE_SETTINGS, title_after: str = "Settings", valid: bool = True,
+         before_png: str | None = None, after_png: str | None = None) -> dict:
+    return {
+        "step_index": index, "action_type": action_type, "action_json": json.dumps({"x": 40, "y": 25}),
+        "thought": thought, "target_role": "link" if target else None, "target_name": target,
+        "target_box": [10.0, 10.0, 80.0, 30.0] if target else None, "action_valid": valid,
+        "url_before": "http://app/", "url_after": "http://app/settings" if title_after != "Home" else "http://app/",
+        "title_before": "Home", "title_after": title_after, "ax_tree_before": TREE_HOME, "ax_tree_after": after,
+        "screenshot_before": before_png, "screenshot_after": after_png,
+    }
+
+
+def test_a_query_is_hard_when_it_never_succeeded_or_its_recent_rate_is_low():
+    assert hardness(at(False, False), window=3, below=0.5).hard
+    assert "never succeeded in 2" in hardness(at(False, False), window=3, below=0.5).reason
+    # One old success, then three failures: the last 3 attempts say 0/3.
+    recent = hardness(at(True, False, False, False), window=3, below=0.5)
+    assert recent.hard and recent.recent_rate == 0 and recent.successes == 1
+    assert not hardness(at(False, True, True), window=3, below=0.5).hard
+    assert not hardness([], window=3, below=0.5).hard  # never tried: nothing says it is hard yet
+    # Order of the rows does not matter; time does.
+    assert hardness(list(reversed(at(True, False, False, False))), window=3, below=0.5).hard
+
+
+def test_quality_control_drops_steps_that_did_not_do_what_the_thought_said():
+    assert rule_check(step(0, thought="click the link 'Settings'")) is None
+    assert "no visible change" in rule_check(step(0, after=TREE_HOME, title_after="Home"))
+    scrolled = TREE_HOME.replace("(10,10,80,30)", "(10,-300,80,30)")
+    assert rule_check(step(0, "swipe", after=scrolled, title_after="Home", target=None)) is None
+    assert "invalid action" in rule_check(step(0, valid=False))
+    assert "ends the episode" in rule_check(step(0, "terminate"))
+    assert "aimed at 'Cart'" in rule_check(step(0, thought="open the 'Cart'", target="Settings"))
+
+
+def test_template_guidance_names_essential_steps_references_and_drops(tmp_path):
+    describer = Describer(None, BlobStore(tmp_path))
+    refs = [("replay:a", [step(0, thought="click 'Settings'"), step(1, "terminate", target=None)]),
+            ("rollout:b", [step(0, thought="click 'Settings'"), step(1, after=TREE_SETTINGS, title_after="Settings",
+                                                                     thought="click 'Cart'"),
+                           step(2, "terminate", target=None)])]
+    query = {"query_id": "q1", "instruction": "Open the settings"}
+    row, _ = guidance_row(query, refs, "never succeeded in 2 attempt(s)", describer, run_id="r", max_steps=8)
+    assert row is not None
+    assert row.references == ["replay:a", "rollout:b"]
+    assert row.essential_steps == [("click on link 'Settings': the screen changed from 'Home' to 'Settings'; "
+                                    "now showing heading \"Settings\", button \"Save\"")]
+    assert all(s in row.text for s in row.essential_steps) and "1. click on link 'Settings'" in row.text
+    dropped = json.loads(row.dropped_steps_json)
+    assert {(d["entry_id"], d["step_index"]) for d in dropped} == {("replay:a", 1), ("rollout:b", 1), ("rollout:b", 2)}
+    assert all(d["reason"] for d in dropped)
+    assert row.describer == "template" and row.observation_mode == "ax-diff" and row.prompt_version == "none"
+    capped, _ = guidance_row(query, refs, "never", describer, run_id="r", max_steps=1)
+    cut = {"entry_id": "rollout:b", "step_index": 2, "reason": "beyond guidance.max_reference_steps (1): not looked at"}
+    assert cut in json.loads(capped.dropped_steps_json)
+
+
+def test_guide_counts_queries_it_could_not_guide(tmp_path):
+    unit = {"query_id": "q", "run_id": "r0", "app": "shop", "source": "page_graph", "instruction": "Open the settings",
+            "path": ["home"], "slots_json": "{}", "checker": "on_page", "checker_params_json": "{}", "max_steps": 5,
+            "generator": "t", "created_at": T0, "actions_json": None, "attempts": 1, "successes": 0}
+    units = [unit | {"hard_reason": "never", "selected": True, "references": []},
+             unit | {"query_id": "q2", "hard_reason": "never", "selected": False, "references": []}]
+    out = guide(units, run_id="r", describer=Describer(None, BlobStore(tmp_path)), replay=None, max_steps=8)
+    assert out.rows["guidance"] == []
+    assert out.dropped == {"hard, but over loop.max_guided this run": 1,
+                           "no reference trajectory (none in the replay buffer, none replayed or demonstrated)": 1}
+
+
+def test_demonstrations_file_errors_name_file_line_and_field(tmp_path):
+    path = tmp_path / "demos.jsonl"
+    good = {"query_id": "q", "instruction": "Open the settings",
+            "steps": [{"action_type": "click", "thought": "open 'Settings'", "target_name": "Settings",
+                       "title_before": "Home", "title_after": "Settings"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "steps": [{"action_type": "click"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"demos.jsonl:2: field 'steps.0.thought': Field required"):
+        load_demonstrations(path)
+    path.write_text(json.dumps(good) + "\n")
+    (entry,) = load_demonstrations(path)
+    assert entry["origin"] == "human" and json.loads(entry["steps_json"])[0]["thought"] == "open 'Settings'"
+
+
+def test_training_calls_invert_the_policy_parser():
+    for action in ({"type": "click", "x": 10, "y": 20}, {"type": "swipe", "x": 1, "y": 2, "x2": 3, "y2": 4},
+                   {"type": "wait", "seconds": 2}, {"type": "long_press", "x": 5, "y": 6, "duration": 1.5},
+                   {"type": "type", "text": "hi"}, {"type": "terminate", "status": "success"}):
+        call = to_call(action, "mobile_use")
+        assert to_action(ToolCall.model_validate(call), "mobile_use") == action
+
+
+def test_guidance_text_reaches_the_policy_prompt():
+    rendered = load_prompt(PROMPT).render(platform="mobile", width=412, height=915, tools="{}", function="mobile_use",
+                                          task="Open the settings", guidance="1. click on link 'Settings'",
+                                          history=[], screenshots=[])
+    assert "Guidance for this task: 1. click on link 'Settings'" in rendered.messages[-1].content[-1].text
+
+
+def _png(color: tuple[int, int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (120, 80), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_model_describer_names_its_model_prompts_and_observation_mode(tmp_path):
+    """The default describer on the embedded model: one outcome call and one summary call."""
+    require(not missing_models(), f"embedded model missing: {missing_models()}")
+    blobs = BlobStore(tmp_path / "wh" / "blobs")  # the warehouse's blobs, which the gateway reads
+    before, after = blobs.put(_png((255, 255, 255))).sha256, blobs.put(_png((0, 0, 0))).sha256
+    settings = Settings(warehouse={"path": tmp_path / "wh"}, llm={"reask": 0})
+    with Gateway.from_settings(settings) as gateway:
+        describer = Describer(gateway, blobs)
+        refs = [("replay:a", [step(0, thought="click 'Settings'", before_png=before, after_png=after),
+                              step(1, "terminate", target=None)])]
+        row, distilled = guidance_row({"query_id": "q", "instruction": "Open the settings"}, refs, "never",
+                                      describer, run_id="r", max_steps=8)
+    outcomes = distilled.outcomes
+    assert len(outcomes) == 2 and outcomes[0]["outcome"]  # described by the model or, unparsed, from the record
+    assert distilled.model_id != "template" and distilled.observation_mode.startswith("ocr")
+    if row is not None:
+        assert row.describer == distilled.model_id
+        assert row.prompt_version == "guidance_outcome@1,guidance_summary@1"
+        assert row.text.split("\nEssential steps:\n")[0]  # the model's summary comes first

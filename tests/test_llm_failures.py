@@ -1,0 +1,342 @@
+"""Failures of an OpenAI-compatible endpoint, injected by a scripted server on loopback.
+
+The scripted server is the one stand-in in these tests, and only for what a real model
+server cannot be made to do on demand: 429, 500, a timeout, a malformed body, a
+truncated or malformed answer. Each failure must be retried or recorded as configured.
+Calls that succeed against a real model over HTTP are in test_llm_models.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pytest
+import sqlalchemy as sa
+import uvicorn
+from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from data.catalog import Lineage
+from llm import ChatResult, Gateway, GatewayError, Sampling, load_prompt
+from llm.cache import responses
+from schemas.config import LLMSettings, Settings, load_settings
+
+PROMPT = """
+version: 2
+format: json
+sampling: {max_tokens: 30}
+messages:
+  - role: user
+    content: "Judge: {{ step }}"
+"""
+
+
+class Judgement(BaseModel):
+    label: Literal["GOOD", "HARMFUL"]
+    reason: str
+
+
+GOOD = '{"label": "GOOD", "reason": "fine"}'
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str = GOOD
+    status: int = 200
+    delay: float = 0.0
+    raw: str | None = None
+    finish_reason: str = "stop"
+
+
+class ScriptedServer:
+    """Answers each request with the next scripted reply (the last one repeats) and remembers what it got."""
+
+    def __init__(self, *replies: Reply) -> None:
+        self.replies = list(replies)
+        self.requests: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        app = Starlette(routes=[Route("/v1/chat/completions", self._completions, methods=["POST"])])
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1)
+        )
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    async def _completions(self, request: Request) -> Response:
+        self.requests.append({"headers": dict(request.headers), "body": await request.json()})
+        reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(reply.delay)
+        finally:
+            self.in_flight -= 1
+        if reply.status != 200:
+            return JSONResponse(
+                {"error": {"message": f"scripted {reply.status}", "type": "scripted"}}, status_code=reply.status
+            )
+        if reply.raw is not None:
+            return Response(reply.raw, media_type="application/json")
+        return JSONResponse(
+            {
+                "id": "scripted",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "scripted",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply.text},
+                        "finish_reason": reply.finish_reason,
+                    }
+                ],
+                "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
+            }
+        )
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "scripted server did not start"
+            time.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+def endpoint(url: str, **overrides: Any) -> dict[str, Any]:
+    return {"base_url": url, "model": "scripted", "max_retries": 2, "backoff_s": 0.01, "timeout_s": 5} | overrides
+
+
+def gateway(url: str, *, reask: int = 1, db_url: str | None = None, **overrides: Any) -> Gateway:
+    settings = LLMSettings.model_validate(
+        {"endpoints": {"s": endpoint(url, **overrides)}, "default": "s", "reask": reask, "cache": db_url is not None}
+    )
+    return Gateway(settings, db_url=db_url)
+
+
+@pytest.fixture
+def judge(tmp_path):
+    (tmp_path / "judge.yaml").write_text(PROMPT)
+    return load_prompt("judge", tmp_path).render(step="clicked Save")
+
+
+def test_429_is_retried(judge):
+    with ScriptedServer(Reply(status=429), Reply(status=429), Reply()) as server, gateway(server.url) as gw:
+        result = gw.chat_sync(judge, schema=Judgement)
+    assert result.parsed == Judgement(label="GOOD", reason="fine")
+    assert result.record.attempts == 3 and len(server.requests) == 3
+    assert (result.record.tokens_in, result.record.tokens_out) == (11, 7)
+
+
+def test_500_after_the_last_retry_is_an_error_with_its_record(judge, caplog):
+    with ScriptedServer(Reply(status=500)) as server, gateway(server.url) as gw:
+        with pytest.raises(GatewayError) as err:
+            gw.chat_sync(judge)
+        assert gw.stats.errors == 1 and gw.stats.calls == 0
+    record = err.value.record
+    assert len(server.requests) == 3 and record.attempts == 3
+    assert "InternalServerError" in record.error and "scripted 500" in record.error
+    assert (record.template, record.template_version, record.model, record.model_id) == ("judge", "2", "s", "scripted")
+    assert any("endpoint s: attempt 2 failed (InternalServerError" in r.getMessage() for r in caplog.records), (
+        "retries are logged"
+    )
+
+
+def test_no_retry_when_configured(judge):
+    with ScriptedServer(Reply(status=503), Reply()) as server, gateway(server.url, max_retries=0) as gw:
+        with pytest.raises(GatewayError):
+            gw.chat_sync(judge)
+    assert len(server.requests) == 1
+
+
+def test_client_error_is_not_retried(judge):
+    with ScriptedServer(Reply(status=400), Reply()) as server, gateway(server.url) as gw:
+        with pytest.raises(GatewayError, match="BadRequestError"):
+            gw.chat_sync(judge)
+    assert len(server.requests) == 1
+
+
+def test_timeout_is_retried(judge):
+    with ScriptedServer(Reply(delay=3), Reply()) as server, gateway(server.url, timeout_s=0.5) as gw:
+        result = gw.chat_sync(judge, schema=Judgement)
+    assert result.parsed is not None and result.record.attempts == 2
+
+
+def test_timeout_on_every_attempt_is_recorded(judge):
+    with ScriptedServer(Reply(delay=3)) as server, gateway(server.url, timeout_s=0.3, max_retries=1) as gw:
+        with pytest.raises(GatewayError, match="APITimeoutError") as err:
+            gw.chat_sync(judge)
+    assert err.value.record.attempts == 2
+
+
+def test_malformed_body_is_recorded_not_retried(judge):
+    with ScriptedServer(Reply(raw='{"choices": [ {"index": 0, "mess'), Reply()) as server, gateway(server.url) as gw:
+        with pytest.raises(GatewayError) as err:
+            gw.chat_sync(judge)
+    assert len(server.requests) == 1 and err.value.record.attempts == 1
+    assert err.value.record.error
+
+
+def test_truncated_answer_is_reasked_once(judge):
+    cut = '{"label": "GOOD", "rea'
+    with ScriptedServer(Reply(text=cut, finish_reason="length"), Reply()) as server, gateway(server.url) as gw:
+        result = gw.chat_sync(judge, schema=Judgement)
+        assert (gw.stats.reasks, gw.stats.parse_failures) == (1, 0)
+        assert gw.stats.prompts == {"judge": "2", "reask": "1"}
+    first, second = result.calls
+    assert first.text == cut and "cut off at max_tokens=30" in first.parse_error and first.finish_reason == "length"
+    assert second.reask and second.parse_error is None and result.parsed == Judgement(label="GOOD", reason="fine")
+    asked_again = server.requests[1]["body"]["messages"]
+    assert asked_again[-2] == {"role": "assistant", "content": cut}
+    assert "could not be used" in asked_again[-1]["content"] and '"label"' in asked_again[-1]["content"], (
+        "the schema is said"
+    )
+
+
+def test_malformed_answer_is_kept_raw_and_counted(judge):
+    with ScriptedServer(Reply(text="GOOD, because it saved")) as server, gateway(server.url) as gw:
+        result = gw.chat_sync(judge, schema=Judgement)
+        assert (gw.stats.reasks, gw.stats.parse_failures) == (1, 1)
+    assert result.parsed is None and result.text == "GOOD, because it saved"
+    assert result.parse_error.startswith("not one JSON object") and len(result.calls) == 2 == len(server.requests)
+
+
+def test_no_reask_when_configured(judge):
+    with ScriptedServer(Reply(text="nope")) as server, gateway(server.url, reask=0) as gw:
+        result = gw.chat_sync(judge, schema=Judgement)
+        assert (gw.stats.reasks, gw.stats.parse_failures) == (0, 1)
+    assert result.parsed is None and len(result.calls) == 1 == len(server.requests)
+
+
+def test_concurrency_is_bounded_per_endpoint(tmp_path):
+    (tmp_path / "p.yaml").write_text("version: 1\nmessages:\n  - role: user\n    content: 'n={{ n }}'\n")
+    prompt = load_prompt("p", tmp_path)
+
+    async def burst(gw: Gateway) -> list[str]:
+        try:
+            results: list[ChatResult[Any]] = await asyncio.gather(*(gw.chat(prompt.render(n=i)) for i in range(20)))
+            return [result.text for result in results]
+        finally:
+            await gw.aclose()
+
+    with ScriptedServer(Reply(text="ok", delay=0.1)) as server, gateway(server.url, max_concurrency=4) as gw:
+        assert asyncio.run(burst(gw)) == ["ok"] * 20
+    assert server.max_in_flight == 4 and len(server.requests) == 20
+
+
+def test_failed_calls_are_not_cached(judge, tmp_path):
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    with ScriptedServer(Reply(status=500), Reply()) as server, gateway(server.url, max_retries=0, db_url=db) as gw:
+        with pytest.raises(GatewayError):
+            gw.chat_sync(judge)
+        assert gw.chat_sync(judge).text == GOOD
+        assert gw.chat_sync(judge).record.cached
+    assert len(server.requests) == 2
+
+
+SECRET = "sk-trajforge-LEAKCHECK-7f3a9c2e"
+OTHER_SECRET = "sk-trajforge-ENVJSON-51d0b8"
+
+
+def test_api_key_appears_in_no_row_log_or_property(judge, tmp_path, monkeypatch, caplog):
+    """Keys from a named variable and from TRAJFORGE_LLM__ENDPOINTS reach the server and nothing else."""
+    caplog.set_level(logging.DEBUG)
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    with ScriptedServer(Reply(), Reply(status=500), Reply(status=401)) as server:
+        config = tmp_path / "trajforge.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "warehouse": {"path": str(tmp_path / "wh")},
+                    "llm": {
+                        "default": "a",
+                        "endpoints": {
+                            "a": endpoint(server.url, api_key_env="MY_PROVIDER_KEY", max_retries=1),
+                            "b": endpoint(server.url),
+                        },
+                    },
+                }
+            )
+        )
+        monkeypatch.setenv("MY_PROVIDER_KEY", SECRET)
+        monkeypatch.setenv("TRAJFORGE_LLM__ENDPOINTS", json.dumps({"b": {"api_key": OTHER_SECRET}}))
+        settings = load_settings(config)
+        outputs: list[str] = []
+        with Gateway(settings.llm, db_url=db) as gw:
+            outputs.append(gw.chat_sync(judge, schema=Judgement).record.model_dump_json())  # succeeds
+            for seed, model in enumerate(("a", "b")):  # a: 500, then 401 on its retry; b: 401
+                with pytest.raises(GatewayError) as err:
+                    gw.chat_sync(judge, model=model, sampling=Sampling(seed=seed))
+                outputs += [str(err.value), repr(err.value), err.value.record.model_dump_json()]
+            outputs.append(repr(gw.stats))
+            lineage = Lineage(
+                stage="s",
+                run_id="r",
+                commit_key="k",
+                config_hash=settings.section_hash("llm"),
+                code_version="v",
+                models=gw.stats.models,
+                prompts=gw.stats.prompts,
+            )
+        outputs += list(lineage.snapshot_properties().values())
+        outputs += [settings.model_dump_json(), repr(settings), str(settings.model_dump())]
+        with sa.create_engine(db).connect() as conn:
+            outputs += [repr(row) for row in conn.execute(sa.select(responses))]
+    logged = [caplog.text] + [r.getMessage() for r in caplog.records] + [repr(r.args) for r in caplog.records]
+    assert any(r.levelno >= logging.WARNING and "failed" in r.getMessage() for r in caplog.records), (
+        "failures are logged"
+    )
+    assert len(outputs) > 10 and len(caplog.records) > 5
+    for text in outputs + logged:
+        assert SECRET not in text and OTHER_SECRET not in text, text
+    auth = [r["headers"]["authorization"] for r in server.requests]
+    assert f"Bearer {SECRET}" in auth and f"Bearer {OTHER_SECRET}" in auth, "the keys did reach the server"
+
+
+def test_unset_key_variable_names_endpoint_and_variable(monkeypatch):
+    monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
+    settings = LLMSettings(endpoints={"vllm": endpoint("http://127.0.0.1:9/v1", api_key_env="NO_SUCH_KEY_VAR")})
+    with pytest.raises(
+        ValueError, match="llm.endpoints.vllm.api_key_env: environment variable NO_SUCH_KEY_VAR is not set"
+    ):
+        Gateway(settings)
+
+
+def test_llm_config_defaults_and_errors(tmp_path, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("TRAJFORGE_") and name != "TRAJFORGE_REQUIRE_SERVICES":
+            monkeypatch.delenv(name)
+    llm = Settings().llm
+    assert (llm.default, llm.local.model, llm.endpoints, llm.reask, llm.cache) == ("local", "smollm2", {}, 1, True)
+    config = tmp_path / "trajforge.yaml"
+    config.write_text("llm:\n  default: vllm\n")
+    with pytest.raises(
+        ValueError, match=r"trajforge.yaml: field 'llm.default': .*'vllm' is neither 'local' nor an endpoint"
+    ):
+        load_settings(config)
+    config.write_text("llm:\n  endpoints:\n    local: {base_url: 'http://x/v1', model: m}\n")
+    with pytest.raises(ValueError, match=r"field 'llm.endpoints': .*'local' names the in-process model"):
+        load_settings(config)
+    config.write_text("llm:\n  endpoints:\n    vllm: {base_url: 'http://x/v1', model: m, max_concurency: 4}\n")
+    with pytest.raises(ValueError, match=r"field 'llm.endpoints.vllm.max_concurency': Extra inputs"):
+        load_settings(config)
+    monkeypatch.chdir(tmp_path / "..")
+    monkeypatch.setenv("TRAJFORGE_LLM__REASK", "2")
+    with pytest.raises(ValueError, match="environment variable TRAJFORGE_LLM__REASK: field 'llm.reask'"):
+        load_settings()

@@ -1,0 +1,330 @@
+"""Real models behind the gateway: in-process, and over real HTTP through `python -m llm.serve`.
+
+The embedded SmolLM2 generates real text (a few tokens: about 17 tokens/s on 2 cores).
+The Qwen2.5-VL path runs on a tiny randomly initialised model built here: the real
+loading, image processing and generation code, with random weights, because no
+vision-language weights can be had on this machine.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import require
+from PIL import Image, ImageDraw, ImageFont
+
+from data.blobs import BlobStore
+from llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
+from llm.local import SMOLLM2_ID, load, missing_models
+from llm.ocr import as_text
+from schemas.config import LLMSettings, LocalModelSettings, load_settings
+
+FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+
+SAY = """
+version: 1
+sampling: {max_tokens: 6}
+messages:
+  - role: user
+    images: screenshots
+    content: "{{ question }}"
+"""
+
+
+@pytest.fixture(scope="module")
+def embedded() -> None:
+    """The embedded model converted and loaded (once per process; the first conversion takes ~24 s)."""
+    reason = missing_models()
+    require(reason is None, str(reason))
+    load(LocalModelSettings())
+
+
+@pytest.fixture
+def say(tmp_path):
+    (tmp_path / "say.yaml").write_text(SAY)
+    return load_prompt("say", tmp_path)
+
+
+def screenshot(*lines: str) -> bytes:
+    require(FONT.exists(), f"font {FONT} missing (apt-get install fonts-dejavu-core)")
+    image = Image.new("RGB", (480, 80 + 60 * len(lines)), "white")
+    draw = ImageDraw.Draw(image)
+    for i, line in enumerate(lines):
+        draw.text((30, 40 + 60 * i), line, fill="black", font=ImageFont.truetype(str(FONT), 30))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@contextmanager
+def served(*args: str, log: Path) -> Iterator[str]:
+    """`python -m llm.serve` on a free loopback port, as a user starts it; yields its /v1 URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llm.serve", "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).parents[1],
+        )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"llm.serve exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"llm.serve did not answer:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def requests_seen(log: Path) -> int:
+    return log.read_text().count("POST /v1/chat/completions")
+
+
+# --------------------------------------------------------------------------- embedded SmolLM2
+
+
+def test_embedded_model_generates_and_records(embedded, say, tmp_path):
+    with Gateway(LLMSettings(), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
+        result = gw.chat_sync(say.render(question="What is the capital of France?", screenshots=[]))
+        again = gw.chat_sync(say.render(question="What is the capital of France?", screenshots=[]))
+        stats = gw.stats
+    record = result.record
+    assert result.text.strip(), "real text"
+    assert (record.model, record.model_id, record.backend) == ("local", SMOLLM2_ID, "transformers")
+    assert (record.template, record.template_version, record.observation_mode) == ("say", "1", "text")
+    assert record.sampling == Sampling(max_tokens=6) and record.tokens_in > 10 and 0 < record.tokens_out <= 6
+    assert record.finish_reason in ("stop", "length") and record.latency_ms > 0 and not record.cached
+    assert again.record.cached and again.text == result.text and again.record.attempts == 0
+    assert (stats.calls, stats.cache_hits, stats.models, stats.prompts) == (2, 1, {"local": SMOLLM2_ID}, {"say": "1"})
+
+
+def test_embedded_model_stops_at_a_stop_string(embedded, say):
+    prompt = say.render(question="Name three colours.", screenshots=[])
+    with Gateway(LLMSettings()) as gw:
+        full = gw.chat_sync(prompt, sampling=Sampling(max_tokens=12))
+        word = full.text.split()[2]  # greedy decoding: the same answer again, up to this word
+        stopped = gw.chat_sync(prompt, sampling=Sampling(max_tokens=12, stop=(word,)))
+    assert stopped.text == full.text[: full.text.index(word)] and stopped.record.finish_reason == "stop"
+    assert stopped.record.tokens_out < full.record.tokens_out
+
+
+def test_screenshot_becomes_ocr_text_and_accessibility_tree():
+    reason = missing_models(embedded=False)
+    require(reason is None, str(reason))
+    png = screenshot("Add to cart", "Checkout")
+    [message] = as_text([Message(role="user", content=[ImagePart(png=png, ax_tree="button Checkout")])])
+    lines = message.text.splitlines()
+    assert lines[0].startswith("[Screenshot 1, shown as OCR text")
+    assert lines[1].startswith('"Add to cart" @ (') and lines[2].startswith('"Checkout" @ (')
+    assert lines[-2:] == ["[Accessibility tree of screenshot 1]", "button Checkout"]
+    x, y = (int(v) for v in lines[2].split("@ (")[1].rstrip(")").split(", "))
+    assert 30 < x < 250 and 100 < y < 150, "the box centre is in the screenshot's pixels"
+
+
+def test_text_model_is_given_ocr_and_says_so(embedded, say, tmp_path):
+    blobs = BlobStore(tmp_path / "blobs")
+    ref = blobs.put(screenshot("Settings"))
+    with Gateway(LLMSettings(), blobs=blobs) as gw:
+        with_tree = gw.chat_sync(
+            say.render(
+                question="Where is Settings?", screenshots=[ImagePart(sha256=ref.sha256, ax_tree="link Settings")]
+            )
+        )
+        ocr_only = gw.chat_sync(say.render(question="Where is Settings?", screenshots=[ref.sha256]))
+        with pytest.raises(GatewayError, match="no blob 0{64}") as missing:
+            gw.chat_sync(say.render(question="?", screenshots=["0" * 64]))
+    assert with_tree.record.observation_mode == "ocr+ax" and ocr_only.record.observation_mode == "ocr"
+    assert with_tree.record.tokens_in > ocr_only.record.tokens_in > 30, "the OCR text (and the tree) reached the model"
+    assert missing.value.record.observation_mode == "ocr"
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(embedded, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with served("--model", "smollm2", log=log) as url:
+        yield url, log
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def catalog_url(request, tmp_path):
+    if request.param == "sqlite":
+        return None  # the default: SQLite under the warehouse
+    return request.getfixturevalue("postgres_url")
+
+
+def test_configured_endpoint_is_called_over_http_and_cached(smollm2_server, catalog_url, tmp_path, say):
+    url, log = smollm2_server
+    config = tmp_path / "trajforge.yaml"
+    warehouse = {"path": str(tmp_path / "warehouse")} | ({"catalog_url": catalog_url} if catalog_url else {})
+    endpoint = {"base_url": url, "model": SMOLLM2_ID, "max_concurrency": 2}
+    config.write_text(json.dumps({"warehouse": warehouse, "llm": {"default": "box", "endpoints": {"box": endpoint}}}))
+    question = f"Say hello to {uuid.uuid4().hex[:6]}."  # new to the (shared, persistent) PostgreSQL cache
+    before = requests_seen(log)
+    with Gateway.from_settings(load_settings(config)) as gw:
+        first = gw.chat_sync(say.render(question=question, screenshots=[]))
+        second = gw.chat_sync(say.render(question=question, screenshots=[]))
+    assert requests_seen(log) - before == 1, "the second identical call is answered by the cache"
+    assert first.text.strip() and second.text == first.text
+    assert (first.record.backend, first.record.model, first.record.model_id) == ("openai", "box", SMOLLM2_ID)
+    assert first.record.tokens_in > 10 and 0 < first.record.tokens_out <= 6 and first.record.attempts == 1
+    assert second.record.cached and not first.record.cached
+    with Gateway.from_settings(load_settings(config)) as rerun:  # a rerun, in a new process's place
+        assert rerun.chat_sync(say.render(question=question, screenshots=[])).record.cached
+    assert requests_seen(log) - before == 1
+
+
+def test_text_endpoint_gets_ocr_text_not_images(smollm2_server, say):
+    url, log = smollm2_server
+    settings = LLMSettings(endpoints={"box": {"base_url": url, "model": SMOLLM2_ID}}, default="box", cache=False)
+    with Gateway(settings) as gw:  # the server answers 400 to images for a text model: this passes only as text
+        result = gw.chat_sync(say.render(question="What does it say?", screenshots=[screenshot("Checkout")]))
+    assert result.record.observation_mode == "ocr" and result.record.tokens_in > 30 and result.text.strip()
+
+
+def test_server_refuses_what_it_cannot_do(smollm2_server):
+    url, _ = smollm2_server
+    body = {"model": SMOLLM2_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{url}/chat/completions", json={**body, "model": "gpt-x"}).status_code == 404
+    assert httpx.post(f"{url}/chat/completions", json={**body, "stream": True}).status_code == 400
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}]}
+    answer = httpx.post(f"{url}/chat/completions", json={**body, "messages": [image]})
+    assert answer.status_code == 400 and "messages[0].content[0].image_url.url" in answer.text
+
+
+# --------------------------------------------------------------------------- a Qwen2.5-VL checkpoint
+
+
+def build_tiny_qwen25_vl(folder: Path) -> None:
+    """A Qwen2.5-VL checkpoint with random weights, a tiny BPE tokenizer and Qwen's image tokens."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    specials = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(["click the Checkout button", "type hello into the search box", "scroll down"], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = (  # Qwen2.5-VL's layout: an image is <|vision_start|><|image_pad|><|vision_end|>
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    ids: dict[str, int] = {token: int(tokenizer.convert_tokens_to_ids(token)) for token in specials}  # type: ignore[arg-type]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=1024,
+            bos_token_id=ids["<|im_start|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=32,
+            fullatt_block_indexes=[0],
+            window_size=56,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=224 * 224).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory) -> Path:
+    reason = missing_models(embedded=False)
+    require(reason is None, str(reason))
+    folder = tmp_path_factory.mktemp("qwen25vl") / "tiny-qwen2.5-vl"
+    build_tiny_qwen25_vl(folder)
+    return folder
+
+
+def test_local_vision_checkpoint_sees_the_image_in_process_and_over_http(tiny_vl, say, tmp_path):
+    image = screenshot("Checkout")
+    prompt = say.render(
+        question="click the Checkout button", screenshots=[ImagePart(png=image, ax_tree="button Checkout")]
+    )
+    sampling = Sampling(max_tokens=4)
+    local = LLMSettings(local={"model": str(tiny_vl)}, cache=False)
+    with Gateway(local) as gw:
+        in_process = gw.chat_sync(prompt, sampling=sampling)
+        text_only = gw.chat_sync(say.render(question="click the Checkout button", screenshots=[]), sampling=sampling)
+    record = in_process.record
+    assert (record.model_id, record.backend, record.observation_mode) == (str(tiny_vl), "transformers", "image")
+    assert record.tokens_in > text_only.record.tokens_in + 10, "the image's tokens are in the input"
+    assert 0 < record.tokens_out <= 4
+
+    log = tmp_path / "serve.log"
+    with served("--model", str(tiny_vl), log=log) as url:
+        remote = LLMSettings(
+            endpoints={"vl": {"base_url": url, "model": str(tiny_vl), "vision": True}}, default="vl", cache=False
+        )
+        with Gateway(remote) as gw:
+            over_http = gw.chat_sync(prompt, sampling=sampling)
+    assert over_http.record.observation_mode == "image" and over_http.record.backend == "openai"
+    # The same weights given the same image as a data URL: the same input tokens and the same greedy answer.
+    assert (over_http.record.tokens_in, over_http.text) == (record.tokens_in, in_process.text)
+
+
+def test_missing_checkpoint_names_the_setting(tmp_path):
+    with pytest.raises(
+        FileNotFoundError, match=f"llm.local.model: {tmp_path / 'nope'} is not a transformers checkpoint"
+    ):
+        Gateway(LLMSettings(local={"model": str(tmp_path / "nope")}))

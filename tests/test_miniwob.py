@@ -1,0 +1,100 @@
+"""MiniWoB++ tasks served from the miniwob package: seeded problems and their own rewards."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from query_gen.miniwob import miniwob_queries
+from rollout.env import BrowserEnv
+from rollout.miniwob import (
+    DEFAULT_TASKS, MiniWoBEnv, MiniWoBError, MiniWoBServer, check_reward, check_tasks, task_and_seed,
+)
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def server():
+    with MiniWoBServer() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def env(chromium, server):
+    env = MiniWoBEnv(BrowserEnv(viewport="desktop", chromium=chromium))
+    yield env
+    env.close()
+
+
+def button_box(ax_tree: str, name: str) -> tuple[int, int]:
+    line = next(line for line in ax_tree.splitlines() if line.strip().startswith(f'button "{name}"'))
+    x, y, w, h = map(int, line.rsplit("(", 1)[1].rstrip(")").split(","))
+    return x + w // 2, y + h // 2
+
+
+def target_of(utterance: str) -> str:
+    return utterance.split('"')[1]  # Click on the "no" button.
+
+
+def test_default_tasks_exist_and_unknown_ones_are_named():
+    assert len(DEFAULT_TASKS) >= 30
+    check_tasks(list(DEFAULT_TASKS))
+    with pytest.raises(MiniWoBError, match="click-buton"):
+        check_tasks(["click-buton"])
+
+
+def test_a_seed_always_makes_the_same_problem(env, server):
+    first = env.reset("a", server.task_url("click-checkboxes", 7))
+    tree = env.observe().ax_tree
+    assert env.reset("b", server.task_url("click-checkboxes", 7)) == first
+    assert env.observe().ax_tree == tree
+    others = {env.reset("c", server.task_url("click-checkboxes", s)) for s in range(8, 12)}
+    assert len(others | {first}) > 1
+
+
+def test_the_right_click_earns_the_pages_reward(env, server):
+    utterance = env.reset("s", server.task_url("click-button", 1))
+    assert env.act({"type": "click", **dict(zip("xy", button_box(env.observe().ax_tree, target_of(utterance))))}) is None
+    success, reason = check_reward({}, env.app_state())
+    assert success and reason == "reward 1"
+
+
+def test_a_wrong_click_or_no_action_is_a_failure(env, server):
+    env.reset("s", server.task_url("click-button", 1))
+    assert check_reward({}, env.app_state()) == (False, "the task did not end: no reward")
+    for seed in range(2, 40):  # a problem with a button other than the asked one
+        utterance = env.reset("s", server.task_url("click-button", seed))
+        tree = env.observe().ax_tree
+        others = [n for n in re.findall(r'button "([^"]+)"', tree) if n != target_of(utterance)]
+        if others:
+            break
+    env.act({"type": "click", **dict(zip("xy", button_box(tree, others[0])))})
+    success, reason = check_reward({}, env.app_state())
+    assert not success and reason.startswith("reward -1")
+
+
+def test_queries_carry_task_seed_and_utterance(chromium):
+    queries = miniwob_queries(["click-button", "enter-text"], [0, 1], run_id="r", max_steps=6, chromium=chromium)
+    assert [q.path for q in queries] == [["click-button"]] * 2 + [["enter-text"]] * 2
+    assert len({q.query_id for q in queries}) == 4
+    q = queries[2]
+    assert q.app == "miniwob" and q.source == "miniwob" and q.checker == "reward"
+    assert json.loads(q.checker_params_json) == {"task": "enter-text", "seed": "0"}
+    assert q.instruction.startswith("Enter ") and q.instruction.endswith("press Submit.")
+
+
+def test_task_urls_round_trip(server):
+    assert task_and_seed(server.task_url("click-tab", 42)) == ("click-tab", 42)
+    with pytest.raises(MiniWoBError, match="not a MiniWoB"):
+        task_and_seed("http://127.0.0.1/index.html")
+
+
+def test_critics_checker_registry_judges_miniwob_and_bundled_apps():
+    from critics.checkers import checker_for
+
+    assert checker_for("miniwob")("reward", {}, {"done": True, "raw_reward": 1, "reason": None}) == (True, "reward 1")
+    ok, _ = checker_for("shop")("in_cart", {"dish": "Pad Thai", "size": "Small"}, {"cart": [], "orders": []})
+    assert not ok

@@ -1,0 +1,125 @@
+"""Rollouts driven by a real model: the embedded SmolLM2 through the gateway, in a real browser.
+
+Quality is not judged (a 135M text model rarely produces a valid call); the loop is:
+real model calls, real actions, rows that name the model and the template versions,
+each role of Mobile-Agent-v3 recorded, and a rerun that asks the model nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import require
+from llm.local import SMOLLM2_ID, missing_models
+from rollout.stage import rollout
+from schemas.config import Settings
+from tasks.workspace import Workspace
+from test_rollout import make_query
+
+pytestmark = pytest.mark.browser
+
+CONFIG = """
+query_gen:
+  apps: [shop]
+  num_queries: 1
+rollout:
+  max_invalid_actions: 2
+llm:
+  reask: 0
+"""
+
+
+@pytest.fixture(scope="module")
+def embedded() -> None:
+    reason = missing_models()
+    require(reason is None, str(reason))
+
+
+def cli(exe: str, cwd: Path, *args: str) -> str:
+    proc = subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def calls_of(steps) -> list[dict]:
+    return [c for raw in steps["model_calls_json"] for c in json.loads(raw)]
+
+
+def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embedded, chromium, trajforge_cli):
+    (tmp_path / "trajforge.yaml").write_text(CONFIG)  # no policy or model named: the defaults
+    cli(trajforge_cli, tmp_path, "run", "nightly")
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
+    episode = ws.catalog.load("episodes").row(0, named=True)
+    assert episode["policy"] == "gui_owl_e2e" and episode["model_id"] == SMOLLM2_ID
+    assert episode["prompt_version"] == "gui_owl_e2e@1"
+    steps = ws.catalog.load("steps")
+    assert steps.height >= 1
+    calls = calls_of(steps)
+    assert {(c["template"], c["template_version"], c["model_id"]) for c in calls} == {("gui_owl_e2e", "1", SMOLLM2_ID)}
+    assert set(steps["observation_mode"]) == {"ocr+ax"}  # a text-only model saw OCR text, and says so
+    assert not any(c["cached"] for c in calls)
+    lineage = ws.catalog.lineage("episodes")
+    assert lineage.models["policy_model"] == SMOLLM2_ID and lineage.prompts == {"gui_owl_e2e": "1"}
+    assert ws.catalog.load("verdicts").height == ws.catalog.load("episodes").height
+
+    # The same stage over the same queries again: every answer comes from the cache.
+    queries = ws.catalog.history("queries")[-1].snapshot_id
+    cli(trajforge_cli, tmp_path, "run", "rollout", "--input", f"queries@{queries}")
+    latest = ws.catalog.history("steps")[-1]
+    rerun = ws.catalog.load("steps", latest.snapshot_id).filter(pl.col("run_id") == latest.run_id)
+    assert latest.run_id != episode["run_id"] and rerun.height == steps.height
+    assert all(c["cached"] for c in calls_of(rerun)), "the rerun asked the model again"
+
+
+def test_mobile_agent_records_every_role_per_step(tmp_path, embedded, chromium, shop, server):
+    settings = Settings(
+        warehouse={"path": tmp_path / "wh"}, llm={"reask": 0},
+        rollout={"policy": "mobile_agent_v3", "max_invalid_actions": 5, "contexts": 1},
+    )
+    ws = Workspace.open(settings)
+    query = make_query(shop.spec, "cart", query_id="q-roles").model_copy(update={"max_steps": 2})
+    out = rollout([query.model_dump()], run_id="r", settings=settings.rollout, blobs=ws.blobs, gateway=ws.gateway)
+    (episode,) = out.rows["episodes"]
+    assert episode.policy == "mobile_agent_v3" and episode.model_id == SMOLLM2_ID
+    steps = out.rows["steps"]
+    first = json.loads(steps[0].roles_json)
+    assert set(first) >= {"manager"}
+    assert first["manager"]["inputs"]["last_action"] == ""  # the initial plan
+    for role in first.values():
+        assert role["raw_output"] and ("output" in role and "parse_error" in role)
+    if len(steps) > 1:
+        second = json.loads(steps[1].roles_json)
+        assert "reflector" in second and second["manager"]["inputs"]["last_action"] != ""
+    assert {c["template"] for s in steps for c in json.loads(s.model_calls_json)} <= {
+        "mobile_agent_manager", "mobile_agent_worker", "mobile_agent_reflector", "mobile_agent_notetaker"}
+    assert out.prompts == {"mobile_agent_manager": "1", "mobile_agent_worker": "1",
+                           "mobile_agent_reflector": "1", "mobile_agent_notetaker": "1"}
+
+
+def test_rollout_pointed_at_an_endpoint_sends_its_calls_there(tmp_path, embedded, chromium, shop, server):
+    """llm.default names an OpenAI-compatible server (here `python -m llm.serve` on loopback)."""
+    from test_llm_models import requests_seen, served
+
+    log = tmp_path / "serve.log"
+    with served("--model", "smollm2", log=log) as url:
+        settings = Settings(
+            warehouse={"path": tmp_path / "wh"},
+            llm={"reask": 0, "default": "box", "endpoints": {"box": {"base_url": url, "model": SMOLLM2_ID}}},
+            rollout={"max_invalid_actions": 1, "contexts": 1},
+        )
+        ws = Workspace.open(settings)
+        query = make_query(shop.spec, "cart", query_id="q-endpoint")
+        out = rollout([query.model_dump()], run_id="r", settings=settings.rollout, blobs=ws.blobs, gateway=ws.gateway)
+        seen = requests_seen(log)
+    (step,) = out.rows["steps"]
+    (call,) = json.loads(step.model_calls_json)
+    assert seen == 1 and not call["cached"]
+    assert call["model_id"] == SMOLLM2_ID and call["template"] == "gui_owl_e2e"
+    assert out.rows["episodes"][0].status == "stalled"

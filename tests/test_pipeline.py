@@ -1,0 +1,216 @@
+"""The whole thin pipeline through the CLI, as a user runs it: real Prefect, browser, catalog."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import sqlalchemy as sa
+
+from schemas.config import Settings
+from tasks.workspace import Workspace
+
+pytestmark = pytest.mark.browser
+
+CONFIG = """
+query_gen:
+  apps: [shop]
+  num_queries: {n}
+  atomic_per_app: 1
+rollout:
+  policy: replay
+  contexts: 2
+  episodes_per_shard: {per_shard}
+critics: {{step_critic: rules, text_channel: false}}  # the model critics have their own tests (test_critics)
+"""
+
+
+def cli(exe: str, cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.run([exe, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"trajforge {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def workspace(cwd: Path) -> Workspace:
+    return Workspace.open(Settings(warehouse={"path": cwd / "data" / "warehouse"}))
+
+
+@pytest.fixture(scope="module")
+def two_nights(tmp_path_factory, chromium, trajforge_cli):
+    """Two nightly runs in a fresh folder, as the README's first command does."""
+    cwd = tmp_path_factory.mktemp("nightly")
+    (cwd / "trajforge.yaml").write_text(CONFIG.format(n=5, per_shard=2))
+    first = cli(trajforge_cli, cwd, "run", "nightly")
+    second = cli(trajforge_cli, cwd, "run", "nightly")
+    return cwd, first.stdout, second.stdout
+
+
+def test_nightly_prints_a_summary_and_leaves_iceberg_tables(two_nights):
+    cwd, out, _ = two_nights
+    for table in ("queries", "episodes", "steps", "step_critiques", "verdicts"):
+        assert re.search(rf"{table}\s.*\d+\s.*\d+\s.*\d{{6,}}\s.*nightly-\d{{4}}-\d\d-\d\d", out), out
+    assert (cwd / "data" / "warehouse" / "catalog.db").exists()
+    assert list((cwd / "data" / "warehouse").glob("**/metadata/*.metadata.json"))
+
+
+def test_second_run_makes_second_versions_listed_by_history(two_nights, trajforge_cli):
+    cwd, _, _ = two_nights
+    ws = workspace(cwd)
+    history = ws.catalog.history("steps")
+    assert len(history) == 2
+    out = cli(trajforge_cli, cwd, "datasets", "history", "steps").stdout
+    for info in history:
+        assert str(info.snapshot_id) in out
+
+
+def test_polars_reads_the_older_snapshot(two_nights):
+    cwd, _, _ = two_nights
+    ws = workspace(cwd)
+    old, new = ws.catalog.history("steps")
+    older = ws.catalog.load("steps", old.snapshot_id)
+    assert older.height == old.added_rows == old.total_rows
+    assert set(older["run_id"]) == {old.run_id}
+    assert ws.catalog.load("steps").height == new.total_rows == old.added_rows + new.added_rows
+
+
+def test_every_replayed_episode_is_judged_a_success(two_nights):
+    cwd, _, _ = two_nights
+    ws = workspace(cwd)
+    nightly_verdicts = ws.catalog.history("verdicts")[1]  # after both nightly runs, before any rerun
+    verdicts = ws.catalog.load("verdicts", nightly_verdicts.snapshot_id)
+    episodes = ws.catalog.load("episodes").filter(pl.col("status") != "env_fault")  # faults get no verdict
+    assert verdicts.height == episodes.height == 12  # two nights of 5 page-graph and 1 atomic query
+    assert verdicts["success"].all(), verdicts.select("reason").to_series().to_list()
+    channels = json.loads(verdicts["channels_json"][0])
+    assert channels["checker"]["answer"] == "success"
+    steps = ws.catalog.load("steps")
+    assert steps["screenshot_before"].map_elements(lambda h: h in ws.blobs, return_dtype=pl.Boolean).all()
+
+
+def test_critics_rerun_alone_names_its_input_snapshot(two_nights, trajforge_cli):
+    cwd, _, _ = two_nights
+    ws = workspace(cwd)
+    first_episodes = ws.catalog.history("episodes")[0]
+    before = len(ws.catalog.history("verdicts"))
+    cli(trajforge_cli, cwd, "run", "critics", "--input", f"episodes@{first_episodes.snapshot_id}")
+    history = ws.catalog.history("verdicts")
+    assert len(history) == before + 1
+    lineage = history[-1].lineage
+    assert lineage.inputs["episodes"] == first_episodes.snapshot_id
+    assert lineage.stage == "critics"
+    judged = ws.catalog.load("episodes", first_episodes.snapshot_id).filter(pl.col("status") != "env_fault")
+    assert history[-1].added_rows == judged.height
+
+
+def test_tag_show_and_diff(two_nights, trajforge_cli):
+    cwd, _, _ = two_nights
+    ws = workspace(cwd)
+    history = ws.catalog.history("queries")  # per night: query_gen's set, then history's with the counts
+    old, new = history[0], history[-1]
+    tag = [t for t in new.tags if t.startswith("nightly-")][0]
+    assert ws.catalog.resolve(f"queries@{tag}") == ("queries", new.snapshot_id)
+    cli(trajforge_cli, cwd, "datasets", "tag", f"queries@{old.snapshot_id}", "first-night")
+    assert ws.catalog.resolve("queries@first-night") == ("queries", old.snapshot_id)
+    shown = cli(trajforge_cli, cwd, "datasets", "show", "queries@first-night", "--columns", "query_id,instruction").stdout
+    assert "6 rows" in shown and "instruction" in shown  # 5 page-graph queries and 1 atomic
+    diff = cli(trajforge_cli, cwd, "datasets", "diff", "steps", str(ws.catalog.history("steps")[0].snapshot_id), "latest")
+    assert re.search(r"\+\d+ -0", diff.stdout), diff.stdout
+
+
+def test_invalid_config_fails_before_any_work(tmp_path, trajforge_cli):
+    (tmp_path / "trajforge.yaml").write_text("rollout:\n  contxts: 2\n")
+    proc = subprocess.run([trajforge_cli, "run", "nightly"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "trajforge.yaml" in proc.stdout and "rollout.contxts" in proc.stdout
+    assert not (tmp_path / "data").exists()
+
+
+def test_killed_during_rollouts_then_rerun_commits_each_episode_once(tmp_path, chromium, trajforge_cli):
+    (tmp_path / "trajforge.yaml").write_text(CONFIG.format(n=6, per_shard=1))
+    ledger = sa.create_engine(f"sqlite:///{tmp_path / 'data' / 'warehouse' / 'catalog.db'}")
+    proc = subprocess.Popen(
+        [trajforge_cli, "run", "nightly"], cwd=tmp_path, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    done_before_kill = 0
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            try:
+                with ledger.connect() as conn:
+                    done_before_kill = conn.execute(sa.text(
+                        "select count(*) from trajforge_shards where stage = 'rollout'"
+                    )).scalar()
+            except sa.exc.OperationalError:
+                continue  # the ledger is not created yet
+            if done_before_kill >= 2:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert 2 <= done_before_kill < 7, f"the kill should land during rollouts (done={done_before_kill})"
+
+    rerun = cli(trajforge_cli, tmp_path, "run", "nightly")
+    assert "resuming run" in rerun.stdout
+    ws = workspace(tmp_path)
+    episodes = ws.catalog.load("episodes")
+    assert episodes["episode_id"].is_unique().all(), "an episode was committed twice"
+    # Exactly one judged episode per query; a fault under load adds an env_fault record and its rerun.
+    judged = episodes.filter(pl.col("status") != "env_fault")
+    assert judged.height == 7 and judged["query_id"].n_unique() == 7  # 6 page-graph queries and 1 atomic
+    faults = episodes.filter(pl.col("status") == "env_fault")
+    assert (faults.height == 0) or set(judged.filter(pl.col("attempt") > 1)["query_id"]) == set(faults["query_id"])
+    assert len(ws.catalog.history("episodes")) == 1
+    assert ws.catalog.load("verdicts").height == 7
+
+
+def test_broken_app_spec_fails_before_any_work(tmp_path):
+    """A user edits a bundled spec in their checkout so that a transition names a missing page."""
+    repo = Path(__file__).resolve().parents[1]
+    for room in ("schemas", "data", "query_gen", "rollout", "critics", "tasks", "flows", "llm", "guidance", "synth"):
+        shutil.copytree(repo / room, tmp_path / room, ignore=shutil.ignore_patterns("__pycache__", "warehouse"))
+    spec = tmp_path / "rollout" / "apps" / "shop" / "spec.yaml"
+    spec.write_text(spec.read_text().replace("to: cart", "to: basket", 1))
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "nightly"], cwd=tmp_path,
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"},
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert str(spec) in proc.stdout
+    assert re.search(r"transitions\[\d+\]\.to: page 'basket' does not exist", proc.stdout), proc.stdout
+    assert not (tmp_path / "data" / "warehouse").exists()
+
+
+def test_miniwob_tasks_run_through_the_pipeline_with_their_rewards(tmp_path, chromium, trajforge_cli):
+    from rollout.miniwob import DEFAULT_TASKS
+
+    (tmp_path / "trajforge.yaml").write_text(
+        "query_gen:\n  apps: []\n  miniwob_tasks: [" + ", ".join(DEFAULT_TASKS) + "]\n  miniwob_max_steps: 3\n"
+        "rollout:\n  policy: random\n  contexts: 2\n  episodes_per_shard: 12\n"
+        "critics:\n  step_critic: rules\n  text_channel: false\n"
+    )
+    cli(trajforge_cli, tmp_path, "run", "nightly")
+    ws = workspace(tmp_path)
+    episodes = ws.catalog.load("episodes").filter(pl.col("status") != "env_fault")  # faults are rerun
+    assert episodes.height == len(DEFAULT_TASKS) >= 30
+    assert set(episodes["app"]) == {"miniwob"} and set(episodes["status"]) <= {"terminated", "max_steps"}
+    states = [json.loads(s) for s in episodes["final_state_json"]]
+    assert all({"reward", "raw_reward", "done"} <= set(s) for s in states)  # read from each page's own JS
+    verdicts = ws.catalog.load("verdicts")
+    assert verdicts.height == episodes.height
+    reasons = [r.removeprefix("checker_first: ") for r in verdicts["reason"]]  # the checker decided each
+    assert all(r.startswith("reward") or r == "the task did not end: no reward" for r in reasons), reasons
+    done = [s for s in states if s["done"]]
+    assert done, "a random clicker ends some MiniWoB++ episodes (click-test, click-button, ...)"
+    assert [v for v in verdicts["success"]].count(True) == sum(s["raw_reward"] > 0 for s in states)

@@ -1,0 +1,246 @@
+"""Page-graph queries (issue 5): model-written instructions, interface validation, quality.
+
+Real parts only: the embedded SmolLM2 through the gateway, the shop served on loopback,
+Chromium crawling it. SmolLM2 is weak, so the model tests assert the behaviour (real
+calls, the slot constraint, what the rows name), not the quality of the prose.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from llm import Gateway
+from llm.local import SMOLLM2_ID
+from query_gen.graph import AppSpec
+from query_gen.quality import coverage, normalise, remove_near_duplicates
+from query_gen.sampling import TEMPLATE_GENERATOR, sample_tasks
+from query_gen.stage import generate_queries
+from query_gen.synthesis import Synthesiser, missing_slot
+from query_gen.validation import InterfaceValidator
+from rollout.apps import AppServer, BundledApp, load_app, not_found
+from rollout.env import BrowserEnv
+from schemas.config import QueryGenSettings
+from schemas.records import Query
+
+MODEL_GENERATOR = f"{SMOLLM2_ID}+query_synthesis@1+query_refine@1"
+
+
+
+@pytest.fixture()
+def env(chromium: Path) -> Iterator[BrowserEnv]:
+    with BrowserEnv(chromium=chromium) as e:
+        yield e
+
+
+def shop_queries(shop: BundledApp, n: int) -> list[Query]:
+    out = generate_queries([shop], run_id="r", settings=QueryGenSettings(num_queries=n, validate_interface=False, atomic_per_app=0))
+    return out.rows["queries"]
+
+
+def with_slot(query: Query, **slots: str) -> Query:
+    """The query with some slot values replaced (and so another id)."""
+    values = {**json.loads(query.slots_json), **slots}
+    return query.model_copy(update={"slots_json": json.dumps(values), "query_id": query.query_id + "-changed"})
+
+
+# --------------------------------------------------------------------------- synthesis
+
+
+def test_slot_check_reads_whole_words_case_insensitively() -> None:
+    assert missing_slot("add a LARGE pad thai", {"size": "Large", "dish": "Pad Thai"}) is None
+    assert missing_slot("Turn notifications off", {"notifications": "on"}) == "notifications"
+    assert missing_slot("Order me a Pad Thai", {"dish": "Pad Thai", "size": "Small"}) == "size"
+
+
+def test_model_synthesises_and_refines_with_the_slot_constraint(shop: BundledApp, gateway: Gateway) -> None:
+    synthesiser = Synthesiser(gateway)
+    tasks = sample_tasks(shop.spec, 2, seed=0, max_len=8)
+    calls_before = gateway.stats.calls
+    for task in tasks:
+        written = synthesiser(shop.spec, task)
+        assert written.model_id == SMOLLM2_ID
+        assert 1 <= len(written.raw) <= 2 and all(isinstance(r, str) for r in written.raw)
+        if written.fallback_reason is None:
+            assert written.generator == MODEL_GENERATOR and len(written.raw) == 2
+            assert missing_slot(written.instruction, dict(task.slots)) is None
+        else:
+            assert (written.instruction, written.generator) == (task.instruction, TEMPLATE_GENERATOR)
+            assert written.fallback_reason.startswith(("refined instruction dropped slot", "synthesised instruction",
+                                                       "refined instruction did not parse"))
+    assert gateway.stats.calls - calls_before >= len(tasks)  # real calls, at least one per task
+
+
+def test_stage_rows_name_model_and_template_versions(shop: BundledApp, gateway: Gateway) -> None:
+    settings = QueryGenSettings(num_queries=2, instructions="model", validate_interface=False, atomic_per_app=0)
+    out = generate_queries([shop], run_id="r", settings=settings, gateway=gateway)
+    rows = out.rows["queries"]
+    assert len(rows) == 2
+    assert out.models["instruction_model"] == SMOLLM2_ID
+    assert out.prompts["query_synthesis"] == "1" and out.prompts["query_refine"] == "1"
+    fallbacks = sum(n for k, n in out.stats.items() if "model instruction replaced by template" in k)
+    assert fallbacks == sum(r.generator == TEMPLATE_GENERATOR for r in rows)
+    for row in rows:
+        assert row.generator in (MODEL_GENERATOR, TEMPLATE_GENERATOR)
+        if row.generator == MODEL_GENERATOR:
+            assert missing_slot(row.instruction, json.loads(row.slots_json)) is None
+
+
+def test_model_instructions_without_a_gateway_are_a_config_error(shop: BundledApp) -> None:
+    with pytest.raises(ValueError, match="query_gen.instructions"):
+        generate_queries([shop], run_id="r", settings=QueryGenSettings(instructions="model", validate_interface=False, atomic_per_app=0))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.browser
+def test_validation_keeps_the_shops_queries_and_visits_each_page_once(shop: BundledApp, server: AppServer,
+                                                                       env: BrowserEnv) -> None:
+    queries = shop_queries(shop, 12)
+    validator = InterfaceValidator(shop.spec, server.base_url, env)
+    result = validator.validate(queries)
+    assert result.reasons == {} and result.kept == queries
+    assert result.visits == len(validator.cache) < sum(len(q.path) for q in queries)
+    assert result.driven["shop cart"] > 0  # the cart is reached by adding the dish, not by its url
+    assert validator.validate(queries).visits == 0  # the second run is answered from the cache
+
+
+@pytest.mark.browser
+def test_a_slot_value_the_shop_lacks_drops_exactly_its_queries(shop: BundledApp, server: AppServer,
+                                                               env: BrowserEnv) -> None:
+    queries = shop_queries(shop, 12)
+    by_home = next(q for q in queries if q.path[:2] == ["home", "dish"])
+    by_search = next(q for q in queries if q.path[:3] == ["home", "search", "dish"])
+    gone = [with_slot(by_home, dish="Sushi Platter"), with_slot(by_search, dish="Sushi Platter")]
+    result = InterfaceValidator(shop.spec, server.base_url, env).validate(queries + gone)
+    assert result.kept == queries
+    assert result.reasons == {
+        gone[0].query_id: "page 'home' /: link 'Sushi Platter' not found",
+        gone[1].query_id: "page 'dish' /dish/Sushi%20Platter: does not load (HTTP 404)",
+    }
+    assert result.dropped == {
+        "shop: interface validation: page 'home' /: link 'Sushi Platter' not found": 1,
+        "shop: interface validation: page 'dish' /dish/Sushi%20Platter: does not load (HTTP 404)": 1,
+    }
+
+
+@pytest.mark.browser
+def test_a_size_the_dish_page_lacks_is_found_missing(shop: BundledApp, server: AppServer, env: BrowserEnv) -> None:
+    query = next(q for q in shop_queries(shop, 12) if "dish" in q.path and json.loads(q.slots_json)["dish"] == "Pad Thai")
+    result = InterfaceValidator(shop.spec, server.base_url, env).validate([with_slot(query, size="Family")])
+    assert list(result.reasons.values()) == ["page 'dish' /dish/Pad%20Thai: radio 'Family' not found"]
+
+
+@pytest.mark.browser
+def test_a_renamed_page_drops_the_queries_through_it(shop: BundledApp, server: AppServer, env: BrowserEnv) -> None:
+    queries = shop_queries(shop, 12)
+    raw = shop.spec.model_dump(by_alias=True)
+    raw["pages"]["dish"]["url"] = "/dishes/{dish}"  # the spec's page the app does not serve
+    renamed = AppSpec.model_validate(raw)
+    result = InterfaceValidator(renamed, server.base_url, env).validate(queries)
+    through_dish = {q.query_id for q in queries if "dish" in q.path}
+    assert through_dish and set(result.reasons) == through_dish
+    assert all(r.startswith("page 'dish' /dishes/") and r.endswith("does not load (HTTP 404)")
+               for r in result.reasons.values())
+    assert [q.query_id for q in result.kept] == [q.query_id for q in queries if "dish" not in q.path]
+
+
+@pytest.mark.browser
+def test_a_page_entered_by_a_form_is_reached_by_driving_it(env: BrowserEnv) -> None:
+    """Search results exist only after the search is typed and sent: the crawl does that, then
+    looks for the note's link. A note the app no longer has is dropped at the results page."""
+    notes = load_app("notes")
+    out = generate_queries([notes], run_id="r", settings=QueryGenSettings(num_queries=30, validate_interface=False, atomic_per_app=0))
+    by_search = next(q for q in out.rows["queries"] if q.path[:3] == ["notes", "search_results", "note"])
+    gone = with_slot(by_search, note="Tax return 2024")
+    with AppServer(notes) as srv:
+        result = InterfaceValidator(notes.spec, srv.base_url, env).validate([by_search, gone])
+    assert result.kept == [by_search]
+    assert result.reasons == {gone.query_id: "page 'search_results' /: link 'Tax return 2024' not found"}
+    assert result.driven["notes search_results"] == 2
+
+
+@pytest.mark.browser
+def test_an_app_that_loses_a_dish_and_a_page_drops_exactly_the_queries_that_used_them(
+        shop: BundledApp, env: BrowserEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app changes under its spec, as apps do between nights: validation, rerun, notices."""
+    import rollout.apps.shop.app as shop_app
+
+    queries = shop_queries(shop, 40)
+    with AppServer(shop) as srv:
+        assert InterfaceValidator(shop.spec, srv.base_url, env).validate(queries).kept == queries
+
+        monkeypatch.setattr(shop_app, "DISHES", {k: v for k, v in shop_app.DISHES.items() if k != "Pad Thai"})
+        handle = type(shop).handle
+        monkeypatch.setattr(type(shop), "handle", lambda self, request, state: (
+            not_found(request.path) if request.path.startswith("/settings") else handle(self, request, state)))
+        result = InterfaceValidator(shop.spec, srv.base_url, env).validate(queries)
+
+    uses_dish = {q.query_id for q in queries if json.loads(q.slots_json).get("dish") == "Pad Thai"}
+    uses_page = {q.query_id for q in queries if "settings" in q.path}
+    assert uses_dish and uses_page
+    assert set(result.reasons) == uses_dish | uses_page
+    assert [q.query_id for q in result.kept] == [q.query_id for q in queries if q.query_id not in result.reasons]
+    for query_id in uses_page - uses_dish:
+        assert "'settings'" in result.reasons[query_id] and "HTTP 404" in result.reasons[query_id]
+    for query_id in uses_dish - uses_page:  # the home page lacks its link, or its page or search result is gone
+        assert "Pad Thai" in result.reasons[query_id] or "Pad%20Thai: does not load" in result.reasons[query_id]
+
+
+@pytest.mark.browser
+def test_the_stage_validates_deduplicates_and_counts_coverage(shop: BundledApp, chromium: Path) -> None:
+    out = generate_queries([shop], run_id="r", settings=QueryGenSettings(num_queries=40), chromium=chromium)
+    rows = out.rows["queries"]
+    assert len({normalise(q.instruction) for q in rows}) == len(rows) > 20
+    assert not any("interface validation" in k for k in out.dropped)
+    assert out.stats["coverage: shop: pages used"] == len({p for q in rows for p in q.path})
+    assert out.stats["coverage: shop: pages total"] == len(shop.spec.pages)
+
+
+@pytest.mark.browser
+def test_the_stage_mixes_page_graph_atomic_and_deep_search_queries(shop: BundledApp, chromium: Path) -> None:
+    writer = load_app("writer")
+    settings = QueryGenSettings(apps=["shop", "writer"], num_queries=3, atomic_per_app=3,
+                                deep_search_apps=["writer"], deep_search_queries=2)
+    out = generate_queries([shop, writer], run_id="r", settings=settings, chromium=chromium, viewport="desktop")
+    rows = out.rows["queries"]
+    sources = {(q.app, q.source) for q in rows}
+    assert sources == {("shop", "page_graph"), ("shop", "atomic"), ("writer", "page_graph"), ("writer", "atomic"),
+                       ("writer", "deep_search")}
+    assert out.stats["queries: writer: deep_search"] == 2
+    assert out.stats["queries: shop: atomic"] == 3
+    assert out.stats["deep search: writer: pathways found"] > 2  # the rest are counted, not kept
+    assert len({q.query_id for q in rows}) == len(rows)
+    for q in rows:
+        if q.source == "page_graph":
+            assert q.actions_json is None
+        else:  # one operation aimed at a real element, or a pathway of clicks
+            assert json.loads(q.actions_json) and q.path[0] == load_app(q.app).spec.start
+    kinds = {k.rsplit(" ", 1)[-1] for k in out.stats if k.startswith("coverage: shop: operation ")}
+    assert {"click", "type"} <= kinds and len(kinds) > 2
+
+
+# --------------------------------------------------------------------------- quality
+
+
+def query(instruction: str, path: list[str], slots: dict[str, str], query_id: str) -> Query:
+    return Query(run_id="r", query_id=query_id, app="shop", source="page_graph", instruction=instruction,
+                 path=path, slots_json=json.dumps(slots), checker="in_cart", checker_params_json="{}",
+                 max_steps=5, generator=TEMPLATE_GENERATOR, created_at=datetime.now(timezone.utc))
+
+
+def test_near_duplicates_differ_only_in_case_punctuation_and_spacing(shop: BundledApp) -> None:
+    a = query("Add a Small Pad Thai to my cart", ["home", "dish", "cart"], {"dish": "Pad Thai", "size": "Small"}, "a")
+    b = query("add a small  pad thai to my cart!", ["home", "search", "dish", "cart"],
+              {"dish": "Pad Thai", "size": "Small"}, "b")
+    c = query("Add a Large Pad Thai to my cart", ["home", "dish", "cart"], {"dish": "Pad Thai", "size": "Large"}, "c")
+    kept, dropped = remove_near_duplicates([a, b, c])
+    assert [q.query_id for q in kept] == ["a", "c"] and dropped == {"shop: near-duplicate instruction": 1}
+    stats = coverage(shop.spec, kept)
+    assert stats["coverage: shop: pages used"] == 3 and stats["coverage: shop: transitions used"] == 2
+    assert stats["coverage: shop: slot values used"] == 3  # Pad Thai, Small, Large

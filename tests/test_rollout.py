@@ -1,0 +1,284 @@
+"""Rollout end to end: replay every goal of every bundled app in a real browser, both viewports.
+
+No mocks: a real AppServer, Debian's Chromium through Playwright, a real blob store.
+Browser tests take conftest's `chromium` fixture: skipped without Chromium, failed
+instead under TRAJFORGE_REQUIRE_SERVICES=1.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import ExitStack
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import networkx as nx
+import pytest
+
+from conftest import ScriptedPolicy
+from PIL import Image
+
+from data.blobs import BlobStore
+from query_gen.graph import AppSpec, placeholders
+from rollout import actions
+from rollout.apps import AppServer, BundledApp, known_apps, load_app
+from rollout.env import BrowserEnv, Observation
+from rollout.episode import run_episode
+from rollout.policy import PolicyOutput
+from rollout.replay import ReplayPolicy, SlotError, plan
+from rollout.stage import episode_id_for, rollout
+from schemas.config import RolloutSettings
+from schemas.records import Episode, Query, Step
+
+VIEWPORTS = ["mobile", "desktop"]
+
+
+
+def make_query(spec: AppSpec, goal: str, route: int = 0, pick: int = 0, query_id: str | None = None) -> Query:
+    """A query for the `route`-th simple path from the start page to `goal` (negative counts
+    from the last); slot values are the `pick`-th of each slot's list (wrapping), so tests
+    can vary them."""
+    paths = sorted(nx.all_simple_paths(spec.graph(), spec.start, goal))
+    path = paths[route % len(paths)]
+    slots = {slot: values[pick % len(values)] for slot, values in spec.slot_values().items()}
+    page_goal = spec.pages[goal].goal
+    assert page_goal is not None
+    return Query(
+        run_id="test", query_id=query_id or f"{goal}-{route}-{pick}", app=spec.app, source="page_graph",
+        instruction=page_goal.instruction.format_map(slots), path=path, slots_json=json.dumps(slots),
+        checker=page_goal.checker,
+        checker_params_json=json.dumps({k: v.format_map(slots) for k, v in page_goal.params.items()}),
+        max_steps=20, generator="tests", created_at=datetime.now(timezone.utc),
+    )
+
+
+def one_slot_changed(spec: AppSpec, goal: str, params: dict[str, str]) -> list[dict[str, str]]:
+    """The goal's checker params with one slot-filled param set to another value of its slot,
+    one variant per param that has another value: what a wrong final state is judged against."""
+    page_goal = spec.pages[goal].goal
+    assert page_goal is not None
+    values = spec.slot_values()
+    variants = []
+    for key, template in page_goal.params.items():
+        for slot in placeholders(template):
+            other = next((v for v in values[slot] if template.format_map({slot: v}) != params[key]), None)
+            if other is not None:
+                variants.append({**params, key: template.format_map({slot: other})})
+    return variants
+
+
+def goal_cases() -> list[tuple[str, str]]:
+    return [(name, goal) for name in known_apps() for goal in load_app(name).spec.goal_pages()]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, AppServer]]:
+    """Every bundled app on loopback; episodes of any app share the module's browser envs."""
+    apps = [load_app(name) for name in known_apps()]
+    with ExitStack() as stack:
+        yield {app.name: stack.enter_context(AppServer(app)) for app in apps}
+
+
+@pytest.fixture(scope="module", params=VIEWPORTS)
+def env(request: pytest.FixtureRequest, chromium: Path, server: AppServer) -> Iterator[BrowserEnv]:
+    with BrowserEnv(server.base_url + "/", viewport=request.param, chromium=chromium) as e:
+        yield e
+
+
+@pytest.fixture
+def blobs(tmp_path: Path) -> BlobStore:
+    return BlobStore(tmp_path / "blobs")
+
+
+def check_episode(app: BundledApp, query: Query, episode: Episode, params: dict[str, str] | None = None
+                  ) -> tuple[bool, str]:
+    return app.check(query.checker, params or json.loads(query.checker_params_json),
+                     json.loads(episode.final_state_json))
+
+
+def replay(env: BrowserEnv, server: AppServer, query: Query, blobs: BlobStore) -> tuple[Episode, list[Step]]:
+    """Replay a query's reference path on its app's server, from the app's start page."""
+    spec = server.app.spec
+    return run_episode(env, ReplayPolicy(spec), query, run_id="t", episode_id=f"ep-{query.query_id}",
+                       blobs=blobs, max_steps=query.max_steps, start_url=server.base_url + spec.pages[spec.start].url)
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize(("app_name", "goal"), goal_cases())
+def test_replay_reaches_every_goal(servers: dict[str, AppServer], env: BrowserEnv, blobs: BlobStore,
+                                   app_name: str, goal: str) -> None:
+    """One reference path per goal and viewport: the first route with the first slot values on
+    mobile, the last route with the second values on desktop, so a goal with two routes has
+    both replayed. The checker passes on the final state and fails with any one slot changed."""
+    server = servers[app_name]
+    app = server.app
+    mobile = env.viewport == "mobile"
+    query = make_query(app.spec, goal, route=0 if mobile else -1, pick=0 if mobile else 1)
+    episode, steps = replay(env, server, query, blobs)
+    assert episode.status == "terminated", episode.fault
+    assert all(s.action_valid for s in steps), [s.action_error for s in steps if not s.action_valid]
+    assert steps[-1].action_type == "terminate" and json.loads(steps[-1].action_json) == {"status": "success"}, \
+        steps[-1].thought
+    assert episode.viewport == env.viewport and episode.num_steps == len(steps)
+    ok, reason = check_episode(app, query, episode)
+    assert ok, reason
+    params = json.loads(query.checker_params_json)
+    variants = one_slot_changed(app.spec, goal, params)
+    fixed = not any(placeholders(t) for t in app.spec.pages[goal].goal.params.values())
+    assert variants or fixed, f"{app_name}.{goal}: no checker param comes from a slot with a second value"
+    for changed in variants:
+        ok, reason = check_episode(app, query, episode, changed)
+        assert not ok, f"{changed} still passes: {reason}"
+    if fixed:  # a goal with constant params ("open the Share dialog") must not hold before the episode
+        ok, reason = app.check(query.checker, params, app.initial_state())
+        assert not ok, f"{app_name}.{goal} holds on the initial state: {reason}"
+    # Every click names the element it hit, as the transition named it.
+    clicks = [s for s in steps if s.action_type == "click"]
+    assert clicks and all(s.target_role and s.target_name for s in clicks)
+    for s in steps:
+        Step.model_validate(s.model_dump())
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize(("value", "clicks_box"), [("on", False), ("off", True)])
+def test_set_checked_clicks_only_when_the_state_differs(servers: dict[str, AppServer], env: BrowserEnv,
+                                                         blobs: BlobStore, value: str, clicks_box: bool) -> None:
+    """Wi-Fi starts on: "on" leaves the switch alone (a click would turn it off), "off" clicks it."""
+    server = servers["settings"]
+    query = make_query(server.app.spec, "wifi_saved", pick=["on", "off"].index(value))
+    assert json.loads(query.slots_json)["wifi"] == value
+    episode, steps = replay(env, server, query, blobs)
+    assert episode.status == "terminated" and check_episode(server.app, query, episode)[0]
+    targets = [(s.target_role, s.target_name) for s in steps if s.action_type == "click"]
+    assert targets == [("link", "Wi-Fi")] + [("switch", "Wi-Fi")] * clicks_box + [("button", "Save")]
+    said = " ".join(s.thought for s in steps)
+    assert ("already on, no click needed" in said) != clicks_box
+
+
+def test_plan_needs_on_or_off_for_set_checked() -> None:
+    spec = load_app("shop").spec
+    path = ["home", "settings", "settings_saved"]
+    assert [s.checked for s in plan(spec, path, {"notifications": "off"})] == [None, False, None]
+    with pytest.raises(SlotError, match="sets 'Order notifications' to on or off, the query's slots make it 'yes'"):
+        plan(spec, path, {"notifications": "yes"})
+
+
+@pytest.mark.browser
+def test_invalid_actions_are_recorded_not_raised(shop: BundledApp, env: BrowserEnv, blobs: BlobStore) -> None:
+    script = [
+        {"type": "fly", "x": 1, "y": 1},
+        {"type": "click", "x": env.width + 5, "y": 10},
+        {"type": "click", "x": 10},
+        {"type": "key", "key": "NoSuchKey"},
+        {"type": "system_button", "button": "Menu"},
+        {"type": "terminate", "status": "maybe"},
+        {"type": "terminate", "status": "failure"},
+    ]
+    episode, steps = run_episode(env, ScriptedPolicy(script), make_query(shop.spec, "cart"), run_id="t",
+                                 episode_id="ep-invalid", blobs=blobs)
+    assert episode.status == "terminated" and len(steps) == len(script)
+    errors = [s.action_error for s in steps]
+    assert [s.action_valid for s in steps] == [False] * 6 + [True]
+    assert "unknown action type 'fly'" in errors[0]
+    assert "off the" in errors[1]
+    assert "missing argument 'y'" in errors[2]
+    assert "Unknown key" in errors[3]
+    if env.space == "mobile":
+        assert "no equivalent in a browser" in errors[4]
+    else:
+        assert "'system_button' is a mobile action, not in the desktop action space" in errors[4]
+    assert "success or failure" in errors[5]
+    assert steps[0].url_before == steps[-1].url_after, "invalid actions must not change the page"
+
+
+@pytest.mark.browser
+def test_max_steps_ends_the_episode(shop: BundledApp, env: BrowserEnv, blobs: BlobStore) -> None:
+    episode, steps = run_episode(env, ScriptedPolicy([{"type": "wait", "seconds": 0}]), make_query(shop.spec, "cart"),
+                                 run_id="t", episode_id="ep-max", blobs=blobs, max_steps=3)
+    assert episode.status == "max_steps" and len(steps) == 3
+
+
+@pytest.mark.browser
+def test_swipe_or_wheel_scrolls_and_replay_scrolls_to_offscreen_elements(shop: BundledApp, env: BrowserEnv,
+                                                               blobs: BlobStore) -> None:
+    env.reset("swipe")
+    full = (env.width, env.height)
+    env.resize(env.width, 300)  # a short screen: the dish list overflows in both viewports
+    try:
+        before = env.page.evaluate("scrollY")
+        if env.space == "mobile":
+            assert env.act({"type": "swipe", "x": 100, "y": 250, "x2": 100, "y2": 50}) is None
+        else:
+            assert env.act({"type": "scroll", "x": 100, "y": 150, "dy": 200}) is None
+        assert env.page.evaluate("scrollY") > before
+        query = make_query(shop.spec, "cart", route=0, pick=5)  # Falafel Wrap, the last dish
+        episode, steps = run_episode(env, ReplayPolicy(shop.spec), query, run_id="t", episode_id="ep-scroll",
+                                     blobs=blobs)
+        assert episode.status == "terminated" and check_episode(shop, query, episode)[0]
+        assert any(s.action_type == ("swipe" if env.space == "mobile" else "scroll") for s in steps)
+        assert all(s.height == 300 for s in steps)
+    finally:
+        env.resize(*full)
+
+
+@pytest.mark.browser
+def test_screenshots_in_blob_store_are_pngs_of_recorded_size(shop: BundledApp, env: BrowserEnv,
+                                                            blobs: BlobStore) -> None:
+    query = make_query(shop.spec, "settings_saved")
+    episode, steps = run_episode(env, ReplayPolicy(shop.spec), query, run_id="t", episode_id="ep-png", blobs=blobs)
+    assert episode.status == "terminated"
+    for step in steps:
+        for sha in (step.screenshot_before, step.screenshot_after):
+            with Image.open(io.BytesIO(blobs.get(sha))) as image:
+                assert image.format == "PNG"
+                assert image.size == (step.width, step.height) == (env.width, env.height)
+    assert steps[0].ax_tree_before.startswith('RootWebArea "Home · FreshCart"')
+
+
+@pytest.mark.browser
+def test_env_fault_is_recorded(chromium: Path, shop: BundledApp, server: AppServer, blobs: BlobStore) -> None:
+
+    class Crash(ScriptedPolicy):
+        def act(self, observation: Observation, env: BrowserEnv) -> PolicyOutput:
+            env.context.close()  # the browser side goes away under the episode
+            return super().act(observation, env)
+
+    with BrowserEnv(server.base_url + "/", chromium=chromium) as env:
+        episode, steps = run_episode(env, Crash([{"type": "click", "x": 10, "y": 10}]), make_query(shop.spec, "cart"),
+                                     run_id="t", episode_id="ep-fault", blobs=blobs)
+    assert episode.status == "env_fault" and episode.fault and steps == []
+
+
+@pytest.mark.browser
+def test_stage_rollout(chromium: Path, shop: BundledApp, blobs: BlobStore) -> None:
+    queries = [make_query(shop.spec, "confirmation", route=1, pick=2, query_id="q-order").model_dump(),
+               make_query(shop.spec, "settings_saved", query_id="q-settings").model_dump(),
+               make_query(load_app("mail").spec, "message_starred", query_id="q-mail").model_dump(),
+               {**make_query(shop.spec, "cart").model_dump(), "query_id": "q-other", "app": "not-bundled"}]
+    out = rollout(queries, run_id="run-1", settings=RolloutSettings(policy="replay", viewport="desktop"), blobs=blobs)
+    episodes, steps = out.rows["episodes"], out.rows["steps"]
+    assert [e.query_id for e in episodes] == ["q-order", "q-settings", "q-mail"], "one shard, two apps"
+    assert all(e.status == "terminated" and e.viewport == "desktop" for e in episodes)
+    assert episodes[0].episode_id == episode_id_for("run-1", "q-order") != episode_id_for("run-2", "q-order")
+    assert len(steps) == sum(e.num_steps for e in episodes)
+    assert out.models == {"policy": "replay"} and out.prompts == {}
+    assert out.dropped == {"no bundled app 'not-bundled'": 1}
+    for q, e in zip(queries[:3], episodes, strict=True):
+        app = load_app(q["app"])
+        assert app.check(q["checker"], json.loads(q["checker_params_json"]), json.loads(e.final_state_json))[0]
+
+
+def test_validate_action_space() -> None:
+    """The validator alone (no browser): unknown type, missing argument, off screen, bad values."""
+    assert actions.validate({"type": "click", "x": 0, "y": 914}, 412, 915) is None
+    assert actions.validate({"type": "press", "key": "Enter"}, 412, 915) is None
+    assert "off the 412x915 screen" in actions.validate({"type": "click", "x": 412, "y": 0}, 412, 915)
+    assert "off the" in actions.validate({"type": "swipe", "x": 1, "y": 1, "x2": 1, "y2": -1}, 412, 915)
+    assert "missing argument 'text'" in actions.validate({"type": "type"}, 412, 915)
+    assert "must be a number" in actions.validate({"type": "click", "x": "1", "y": 1}, 412, 915)
+    assert "must be a number" in actions.validate({"type": "click", "x": True, "y": 1}, 412, 915)
+    assert "unknown argument" in actions.validate({"type": "wait", "secs": 1}, 412, 915)
+    assert "between 0 and 10" in actions.validate({"type": "wait", "seconds": 60}, 412, 915)
+    assert "JSON object" in actions.validate(["click"], 412, 915)

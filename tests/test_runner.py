@@ -1,0 +1,155 @@
+"""The stage contract: shards resume after a crash, each row lands once, lineage is complete."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+
+from data.catalog import Lineage
+from schemas.config import Settings
+from schemas.stage import StageOutput
+from schemas.tables import RowError
+from tasks.runner import Inputs, StageDef, commit, plan, run_shard
+from tasks.workspace import Workspace, code_version
+
+APPS = [f"app{i}" for i in range(7)]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ws(request, tmp_path):
+    """A workspace whose catalog and ledger are in SQLite or in PostgreSQL."""
+    warehouse = {"path": tmp_path / "wh", "namespace": f"t{uuid.uuid4().hex[:12]}"}
+    if request.param == "postgres":
+        warehouse["catalog_url"] = request.getfixturevalue("postgres_url")
+    ws = Workspace.open(Settings(warehouse=warehouse))
+    yield ws
+    ws.catalog.close()
+
+
+@pytest.fixture
+def run_id() -> str:
+    """Unique per test: the PostgreSQL ledger is shared by every test run."""
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
+def query(run_id: str, app: str, bad: bool = False) -> dict:
+    return dict(
+        run_id=run_id, query_id=f"q-{app}", app=app, source="page_graph", instruction=f"do {app}",
+        path=["home"], slots_json="{}", checker="c", checker_params_json="{}",
+        max_steps=0 if bad else 3, generator="test@1", created_at=datetime.now(timezone.utc),
+    )
+
+
+def make_stage(calls: list[str], fail_on: str | None = None, bad_row: str | None = None) -> StageDef:
+    """A two-table stage over APPS, two units per shard; it can crash or emit a bad row."""
+
+    def run(units, ws, run_id, config_hash):
+        out = StageOutput(models={"policy": "test-model"}, prompts={"test": "1"})
+        for u in units:
+            calls.append(u["app"])
+            if u["app"] == fail_on:
+                raise RuntimeError("worker died")
+        out.rows["queries"] = [query(run_id, u["app"], bad=u["app"] == bad_row) for u in units]
+        out.rows["episodes"] = []
+        out.dropped["too easy"] += 1
+        return out
+
+    return StageDef(
+        name="demo", key="app", reads=None, writes={"queries": "append", "episodes": "append"},
+        sections=("query_gen",), load=lambda ws, snap: Inputs(units=[{"app": a} for a in APPS], fingerprint="f"),
+        run=run, shard_size=lambda s: 2,
+    )
+
+
+def run_all(stage: StageDef, ws: Workspace, run_id: str) -> dict[str, int]:
+    p = plan(stage, ws, run_id, None)
+    for shard in p.pending:
+        run_shard(p, shard, ws)
+    return commit(p, ws)
+
+
+def test_crashed_stage_resumes_without_redoing_or_duplicating(ws, run_id):
+    calls: list[str] = []
+    crashing = make_stage(calls, fail_on="app4")
+    p = plan(crashing, ws, run_id, None)
+    assert p.total == 4
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    with pytest.raises(RuntimeError, match="2 shard\\(s\\) not done"):
+        commit(p, ws)
+    assert ws.catalog.history("queries") == []  # nothing visible before the stage finishes
+
+    calls.clear()
+    snapshots = run_all(make_stage(calls), ws, run_id)
+    assert calls == ["app4", "app5", "app6"]  # only the unfinished shards ran again
+    frame = ws.catalog.load("queries", snapshots["queries"])
+    assert sorted(frame["app"].to_list()) == APPS
+
+
+def test_rerun_after_commit_changes_nothing(ws, run_id):
+    calls: list[str] = []
+    first = run_all(make_stage(calls), ws, run_id)
+    calls.clear()
+    again = run_all(make_stage(calls), ws, run_id)
+    assert again == first and calls == []
+    assert len(ws.catalog.history("queries")) == 1
+
+
+def test_crash_between_table_commits_is_finished_once(ws, run_id):
+    calls: list[str] = []
+    stage = make_stage(calls)
+    p = plan(stage, ws, run_id, None)
+    for shard in p.pending:
+        run_shard(p, shard, ws)
+    # The previous process committed `queries` and died before `episodes`.
+    record = ws.ledger.shards_done(run_id, "demo")
+    files = [f for r in record for f in r.files.get("queries", [])]
+    first = ws.catalog.commit_files(
+        "queries", files,
+        Lineage(stage="demo", run_id=run_id, commit_key=f"{run_id}:demo:queries", config_hash="x", code_version="x"),
+        "append",
+    )
+    snapshots = commit(p, ws)
+    assert snapshots["queries"] == first
+    assert len(ws.catalog.history("queries")) == 1
+    assert ws.catalog.load("queries").height == len(APPS)
+    assert len(ws.catalog.history("episodes")) == 1  # an empty version, with its lineage
+
+
+def test_lineage_names_inputs_config_models_and_counts(ws, run_id):
+    snapshots = run_all(make_stage([]), ws, run_id)
+    lineage = ws.catalog.lineage("queries", snapshots["queries"])
+    assert lineage.stage == "demo" and lineage.run_id == run_id
+    assert lineage.kept == {"queries": len(APPS)}
+    assert lineage.dropped == {"too easy": 4}
+    assert lineage.models == {"policy": "test-model"} and lineage.prompts == {"test": "1"}
+    assert lineage.code_version == code_version()
+    assert len(lineage.config_hash) == 16
+    other = Workspace.open(ws.settings.model_copy(update={"query_gen": ws.settings.query_gen.model_copy(update={"seed": 5})}))
+    assert plan(make_stage([]), other, run_id + "-b", None).config_hash != lineage.config_hash
+
+
+def test_bad_row_fails_the_shard_naming_table_row_and_field(ws, run_id):
+    stage = make_stage([], bad_row="app3")
+    p = plan(stage, ws, run_id, None)
+    with pytest.raises(RowError, match=r"table 'queries', row 1 \(query_id=q-app3\): field 'max_steps'"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    done = ws.ledger.shards_done(run_id, "demo")
+    assert len(done) == 1  # the shard before the bad one is kept
+
+
+def test_stats_are_summed_into_lineage_apart_from_drops(ws, run_id):
+    stage = make_stage([])
+    counting = StageDef(**{**stage.__dict__, "run": lambda units, w, r, h: _with_stats(stage.run(units, w, r, h))})
+    snapshots = run_all(counting, ws, run_id)
+    lineage = ws.catalog.lineage("queries", snapshots["queries"])
+    assert lineage.stats == {"coverage: pages used": 4} and lineage.dropped == {"too easy": 4}
+
+
+def _with_stats(out: StageOutput) -> StageOutput:
+    out.stats["coverage: pages used"] += 1
+    return out

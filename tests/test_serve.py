@@ -1,0 +1,89 @@
+"""`trajforge serve`: the nightly flow as a Prefect deployment on the configured schedule."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from schemas.config import Settings
+from tasks.workspace import Workspace
+
+pytestmark = pytest.mark.browser
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    """A real Prefect server on loopback, with its own home."""
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    proc = subprocess.Popen(
+        [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_for(lambda: healthy(url), 90, "the Prefect server")
+        yield {**env, "PREFECT_API_URL": url}, prefect
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_registers_the_schedule_and_runs_the_nightly_flow(tmp_path, prefect_server, chromium, trajforge_cli):
+    env, prefect = prefect_server
+    (tmp_path / "trajforge.yaml").write_text(
+        "query_gen:\n  apps: [shop]\n  num_queries: 2\nrollout:\n  policy: replay\nschedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
+    )
+    serve = subprocess.Popen(
+        [trajforge_cli, "serve"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        def registered() -> bool:
+            out = subprocess.run([prefect, "deployment", "inspect", "nightly/nightly"], env=env,
+                                 capture_output=True, text=True).stdout
+            return "30 3 * * *" in out and "Europe/Paris" in out
+
+        wait_for(registered, 90, "the nightly deployment with the configured cron")
+        run = subprocess.run(
+            [prefect, "deployment", "run", "nightly/nightly", "--watch", "--watch-timeout", "240"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "Completed" in run.stdout
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
+    assert ws.catalog.load("verdicts").height == 2
+    assert [t for i in ws.catalog.history("episodes") for t in i.tags if t.startswith("nightly-")]
