@@ -63,7 +63,7 @@ def prefect_server(tmp_path):
 def test_serve_registers_the_schedule_and_runs_the_nightly_flow(tmp_path, prefect_server, chromium, trajforge_cli):
     env, prefect = prefect_server
     (tmp_path / "trajforge.yaml").write_text(
-        "query_gen:\n  apps: [shop]\n  num_queries: 2\nrollout:\n  policy: replay\nschedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
+        "query_gen:\n  apps: [shop]\n  num_queries: 2\n  atomic_per_app: 0\n  deep_search_apps: []\nrollout:\n  policy: replay\nschedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
     )
     serve = subprocess.Popen(
         [trajforge_cli, "serve"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
