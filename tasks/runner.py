@@ -144,7 +144,6 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             files[table].extend(paths)
     snapshots: dict[str, int] = {}
     for table, mode in stage.writes.items():
-        paths = files[table] or [_write_parquet(ws, table, f"{run_id}-{stage.name}-empty", [])]
         lineage = Lineage(
             stage=stage.name,
             run_id=run_id,
@@ -158,7 +157,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             dropped=dict(dropped),
             stats=dict(stats),
         )
-        snapshots[table] = ws.catalog.commit_files(table, paths, lineage, mode)
+        snapshots[table] = ws.catalog.commit_files(table, files[table], lineage, mode)
     ws.ledger.mark_committed(run_id, stage.name, snapshots)
     return snapshots
 

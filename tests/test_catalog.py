@@ -218,6 +218,16 @@ def test_overwrite_of_an_empty_table(catalog: Catalog) -> None:
     assert catalog.load("queries")["query_id"].to_list() == ["q1"]
 
 
+def test_an_overwrite_with_no_files_empties_the_table_in_one_version(catalog: Catalog) -> None:
+    """A replaced table (the night's queries, its export) can become empty; the old rows stay readable."""
+    before = catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"), mode="overwrite")
+    after = catalog.commit_files("queries", [], lineage("qg-2"), mode="overwrite")
+
+    assert catalog.load("queries").height == 0
+    assert catalog.load("queries", before)["query_id"].to_list() == ["q1"]
+    assert [i.snapshot_id for i in catalog.history("queries")] == [before, after]
+
+
 def test_a_commit_without_rows_is_still_a_version(catalog: Catalog) -> None:
     """A stage that dropped everything still records why, in the version's lineage."""
     catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
