@@ -7,7 +7,7 @@ changes between the two runs: same config, same apps, and no guidance (`loop.max
 redoes every stage over the same queries, and each model request it makes is the same
 as the first's, so the response cache should answer all of them.
 
-Model calls are counted as new rows in the response cache (`trajforge_llm_responses`):
+Model calls are counted as new rows in the response cache (`llm.cache.responses`):
 one row per distinct request answered by a model. Prints a table; never asserts.
 Target (shared/FACTS.md, the project brief): the rerun under 10% of the cold run's
 wall time, with no model call.
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from llm.cache import responses
+
 CONFIG = """\
 query_gen:
   apps: [{apps}]
@@ -46,7 +48,7 @@ def model_answers(cwd: Path) -> int:
     engine = sa.create_engine(f"sqlite:///{cwd / 'data' / 'warehouse' / 'catalog.db'}")
     try:
         with engine.connect() as conn:
-            return conn.execute(sa.text("SELECT count(*) FROM trajforge_llm_responses")).scalar_one()
+            return conn.execute(sa.select(sa.func.count()).select_from(responses)).scalar_one()
     finally:
         engine.dispose()
 
