@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.catalog import Catalog, Lineage
-from schemas.tables import to_arrow
+from trajforge.data.catalog import Catalog, Lineage
+from trajforge.schemas.tables import to_arrow
 
 ROLES = ["button", "link", "textbox", "checkbox", "combobox", "heading", "listitem", "img", "tab", "menuitem"]
 WORDS = (

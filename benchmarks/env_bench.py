@@ -46,8 +46,8 @@ from typing import Any
 
 from playwright.async_api import ViewportSize, async_playwright
 
-from rollout.env import CHROMIUM, CHROMIUM_ARGS, BrowserEnv
-from rollout.pool import EnvPool
+from trajforge.envs.browser import CHROMIUM, CHROMIUM_ARGS, BrowserEnv
+from trajforge.envs.pool import EnvPool
 
 TASKS = ["click-button", "click-checkboxes", "enter-text", "click-tab-2", "book-flight"]
 VIEWPORT: ViewportSize = {"width": 1280, "height": 720}  # BrowserGym's default, so both screenshot the same size

@@ -38,8 +38,8 @@ import httpx
 import openai
 import uvicorn
 
-from llm import Gateway, Prompt, load_prompt
-from schemas.config import EndpointSettings, LLMSettings
+from trajforge.llm import Gateway, Prompt, load_prompt
+from trajforge.schemas.config import EndpointSettings, LLMSettings
 
 MODEL = "bench-model"
 ANSWER = (

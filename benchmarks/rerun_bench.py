@@ -28,7 +28,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from llm.cache import responses
+from trajforge.llm.cache import responses
 
 CONFIG = """\
 query_gen:

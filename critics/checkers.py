@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import functools
 
-from critics.stage import Checker
-from rollout.android import check_probe
-from rollout.apps import load_app
-from rollout.miniwob import check_reward
+from trajforge.critics.stage import Checker
+from trajforge.envs.android import check_probe
+from trajforge.envs.apps import load_app
+from trajforge.envs.miniwob import check_reward
 
 
 @functools.cache

@@ -22,8 +22,8 @@ from typing import Any
 
 import polars as pl
 
-from critics.stage import Checker
-from data.catalog import Catalog, CatalogError
+from trajforge.critics.stage import Checker
+from trajforge.data.catalog import Catalog, CatalogError
 
 MAX_EXAMPLES = 3
 STEP_LABELS = "step labels"

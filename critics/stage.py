@@ -13,14 +13,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from critics import trajectory
-from critics.steps import StepCritic, short_id
-from critics.trajectory import CHECKER, MULTIMODAL, TEXT, ChannelAnswer
-from data.blobs import BlobStore
-from llm import Gateway
-from schemas.config import CriticSettings
-from schemas.records import StepCritique, Verdict
-from schemas.stage import StageOutput
+from trajforge.critics import trajectory
+from trajforge.critics.steps import StepCritic, short_id
+from trajforge.critics.trajectory import CHECKER, MULTIMODAL, TEXT, ChannelAnswer
+from trajforge.data.blobs import BlobStore
+from trajforge.llm import Gateway
+from trajforge.schemas.config import CriticSettings
+from trajforge.schemas.records import StepCritique, Verdict
+from trajforge.schemas.stage import StageOutput
 
 # (checker name, params, state) -> (success, reason): the app's own checker.
 Checker = Callable[[str, dict[str, str], dict[str, Any]], tuple[bool, str]]

@@ -16,12 +16,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from critics import prefilter
-from critics.annotate import annotate
-from data.blobs import BlobStore
-from llm import Gateway, GatewayError, load_prompt
-from llm.messages import ImagePart
-from schemas.records import StepCritique
+from trajforge.critics import prefilter
+from trajforge.critics.annotate import annotate
+from trajforge.data.blobs import BlobStore
+from trajforge.llm import Gateway, GatewayError, load_prompt
+from trajforge.llm.messages import ImagePart
+from trajforge.schemas.records import StepCritique
 
 STEP_PROMPT = "critic_step"
 PREFILTER_CRITIC = "prefilter@1"

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llm import Gateway, GatewayError, load_prompt
-from llm.messages import ImagePart
-from llm.ocr import ocr_lines
+from trajforge.llm import Gateway, GatewayError, load_prompt
+from trajforge.llm.messages import ImagePart
+from trajforge.llm.ocr import ocr_lines
 
 Answer = Literal["success", "failure"]
 Rule = Literal["checker_first", "paper", "k_of_n"]

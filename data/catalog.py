@@ -53,9 +53,9 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from schemas.config import WarehouseSettings
-from schemas.records import RECORDS, Record
-from schemas.tables import SCHEMA_VERSION_KEY, arrow_schema, record_model, to_arrow
+from trajforge.schemas.config import WarehouseSettings
+from trajforge.schemas.records import RECORDS, Record
+from trajforge.schemas.tables import SCHEMA_VERSION_KEY, arrow_schema, record_model, to_arrow
 
 try:  # Polars plans Iceberg scans natively with this plugin; without it, it warns on every scan.
     import polars_iceberg  # noqa: F401

@@ -1,6 +1,6 @@
 """Notebook helpers: the catalog of the current project, opened from its configuration.
 
-    from data.notebook import open_catalog
+    from trajforge.data.notebook import open_catalog
     steps = open_catalog().load("steps@nightly-2026-11-22")
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.catalog import Catalog
-from schemas.config import load_settings
+from trajforge.data.catalog import Catalog
+from trajforge.schemas.config import load_settings
 
 
 def open_catalog(config: Path | str | None = None) -> Catalog:

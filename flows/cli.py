@@ -18,13 +18,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import flows  # noqa: F401  (sets Prefect's environment defaults before Prefect is imported)
-from data.catalog import CatalogError
-from query_gen.graph import SpecError
-from rollout.miniwob import MiniWoBError
-from schemas.config import ConfigError, Settings
-from tasks.stages import STAGES
-from tasks.workspace import Workspace
+import trajforge.flows  # noqa: F401  (sets Prefect's environment defaults before Prefect is imported)
+from trajforge.data.catalog import CatalogError
+from trajforge.envs.spec import SpecError
+from trajforge.envs.miniwob import MiniWoBError
+from trajforge.schemas.config import ConfigError, Settings
+from trajforge.tasks.stages import STAGES
+from trajforge.tasks.workspace import Workspace
 
 app = typer.Typer(help="trajforge: a self-evolving trajectory data factory for GUI agents.", no_args_is_help=True)
 datasets = typer.Typer(help="Inspect and tag dataset versions.", no_args_is_help=True)
@@ -46,7 +46,7 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _open(config: Path | None) -> tuple[Settings, Workspace]:
-    from flows.pipeline import preflight
+    from trajforge.flows.pipeline import preflight
 
     try:
         settings = preflight(str(config) if config else None)
@@ -92,7 +92,7 @@ def run(
     fresh: Annotated[bool, typer.Option(help="Start a new run even if an unfinished one can be resumed.")] = False,
 ) -> None:
     """Run the nightly pipeline, or rerun a single stage on a chosen input version."""
-    from flows.pipeline import STAGE_FLOWS, nightly, run_identity
+    from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity
 
     if stage != "nightly" and stage not in STAGES:
         raise _fail(f"unknown stage {stage!r}; choose nightly or one of: {', '.join(STAGES)}")
@@ -247,8 +247,8 @@ def eval_critics(
     """Each critic channel's verdicts against the programmatic ground truth: metrics, confusion, errors."""
     import json
 
-    from critics.checkers import checker_for
-    from critics.evaluate import load_judged, score
+    from trajforge.critics.checkers import checker_for
+    from trajforge.critics.evaluate import load_judged, score
 
     _, ws = _open(config)
     try:
@@ -310,7 +310,7 @@ def serve(config: ConfigOpt = None) -> None:
     """Serve the nightly flow as a Prefect deployment on the configured cron schedule."""
     from prefect.schedules import Cron
 
-    from flows.pipeline import nightly
+    from trajforge.flows.pipeline import nightly
 
     settings, _ = _open(config)
     params = {"config": str(config.resolve())} if config else {}

@@ -15,14 +15,14 @@ from prefect import flow
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from rollout.apps import load_app
-from rollout.miniwob import check_tasks
-from schemas.config import Settings, load_settings
-from tasks.prefect_tasks import shard_task
-from tasks.runner import StageDef, commit, plan
-from synth.report import write_report
-from tasks.stages import STAGES, run_tag
-from tasks.workspace import Workspace
+from trajforge.envs.apps import load_app
+from trajforge.envs.miniwob import check_tasks
+from trajforge.schemas.config import Settings, load_settings
+from trajforge.tasks.prefect_tasks import shard_task
+from trajforge.tasks.runner import StageDef, commit, plan
+from trajforge.synth.report import write_report
+from trajforge.tasks.stages import STAGES, run_tag
+from trajforge.tasks.workspace import Workspace
 
 
 def preflight(config: str | None) -> Settings:

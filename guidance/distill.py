@@ -23,11 +23,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from critics.annotate import annotate
-from critics.steps import short_id
-from data.blobs import BlobStore
-from llm import Gateway, ImagePart, load_prompt
-from schemas.records import Guidance
+from trajforge.critics.annotate import annotate
+from trajforge.critics.steps import short_id
+from trajforge.data.blobs import BlobStore
+from trajforge.llm import Gateway, ImagePart, load_prompt
+from trajforge.schemas.records import Guidance
 
 PROMPTS = Path(__file__).parent / "prompts"
 OUTCOME_PROMPT = "guidance_outcome"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from schemas.records import QueryAttempt, ReplayEntry
+from trajforge.schemas.records import QueryAttempt, ReplayEntry
 
 STEP_FIELDS = (
     "step_index", "action_type", "action_json", "thought", "target_role", "target_name", "target_box", "action_valid",

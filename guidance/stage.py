@@ -18,11 +18,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from critics.steps import short_id
-from guidance.distill import Describer, guidance_row
-from guidance.history import STEP_FIELDS, attempt_row, buffer_entry
-from schemas.records import Query, ReplayEntry
-from schemas.stage import StageOutput
+from trajforge.critics.steps import short_id
+from trajforge.guidance.distill import Describer, guidance_row
+from trajforge.guidance.history import STEP_FIELDS, attempt_row, buffer_entry
+from trajforge.schemas.records import Query, ReplayEntry
+from trajforge.schemas.stage import StageOutput
 
 # (queries) -> [(episode, steps, success)]: each query's reference path run in its app, and its checker's answer.
 Replayer = Callable[[list[dict[str, Any]]], list[tuple[dict[str, Any], list[dict[str, Any]], bool]]]

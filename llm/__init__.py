@@ -9,10 +9,10 @@ A stage renders one of its templates (llm/prompts/<name>.yaml) and asks:
 or `gateway.chat_sync(...)` from synchronous code.
 """
 
-from llm.calls import CallRecord, ChatResult, GatewayError, Sampling
-from llm.gateway import Gateway, GatewayStats
-from llm.messages import ImagePart, Message, TextPart
-from llm.prompts import Prompt, PromptError, RenderedPrompt, load_prompt
+from trajforge.llm.calls import CallRecord, ChatResult, GatewayError, Sampling
+from trajforge.llm.gateway import Gateway, GatewayStats
+from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.prompts import Prompt, PromptError, RenderedPrompt, load_prompt
 
 __all__ = [
     "CallRecord",

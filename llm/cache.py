@@ -15,8 +15,8 @@ from datetime import datetime, timezone
 
 import sqlalchemy as sa
 
-from llm.calls import Completion, Sampling
-from llm.messages import Message, key_material
+from trajforge.llm.calls import Completion, Sampling
+from trajforge.llm.messages import Message, key_material
 
 KEY_FORMAT = 1  # bump when the key's material changes shape, so old rows are never misread
 

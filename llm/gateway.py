@@ -29,17 +29,17 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, SecretStr
 
-from data.blobs import BlobCorrupted, BlobMissing, BlobStore
-from data.catalog import Catalog
-from llm import ocr
-from llm.cache import ResponseCache, cache_key
-from llm.calls import CallRecord, ChatResult, Completion, GatewayError, Sampling
-from llm.local import LocalBackend
-from llm.messages import ImagePart, Message, TextPart
-from llm.prompts import RenderedPrompt, load_prompt
-from llm.remote import BackendError, OpenAIBackend
-from llm.structured import ParseError, parse
-from schemas.config import EndpointSettings, LLMSettings, Settings
+from trajforge.data.blobs import BlobCorrupted, BlobMissing, BlobStore
+from trajforge.data.catalog import Catalog
+from trajforge.llm import ocr
+from trajforge.llm.cache import ResponseCache, cache_key
+from trajforge.llm.calls import CallRecord, ChatResult, Completion, GatewayError, Sampling
+from trajforge.llm.local import LocalBackend
+from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.prompts import RenderedPrompt, load_prompt
+from trajforge.llm.remote import BackendError, OpenAIBackend
+from trajforge.llm.structured import ParseError, parse
+from trajforge.schemas.config import EndpointSettings, LLMSettings, Settings
 
 logger = logging.getLogger(__name__)
 

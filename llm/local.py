@@ -26,9 +26,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from llm.calls import Completion, Sampling
-from llm.messages import ImagePart, Message
-from schemas.config import LocalModelSettings
+from trajforge.llm.calls import Completion, Sampling
+from trajforge.llm.messages import ImagePart, Message
+from trajforge.schemas.config import LocalModelSettings
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from data.blobs import BlobStore
+from trajforge.data.blobs import BlobStore
 
 
 class _Part(BaseModel):

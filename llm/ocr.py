@@ -11,9 +11,9 @@ import functools
 import threading
 from importlib.metadata import PackageNotFoundError, version
 
-from llm.calls import ObservationMode
-from llm.local import INSTALL
-from llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.calls import ObservationMode
+from trajforge.llm.local import INSTALL
+from trajforge.llm.messages import ImagePart, Message, TextPart
 
 
 @functools.cache

@@ -31,8 +31,8 @@ import jinja2
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llm.calls import Sampling
-from llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.calls import Sampling
+from trajforge.llm.messages import ImagePart, Message, TextPart
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 _JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=False)

@@ -28,9 +28,9 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from llm.calls import Completion, Sampling
-from llm.messages import ImagePart, Message
-from schemas.config import EndpointSettings
+from trajforge.llm.calls import Completion, Sampling
+from trajforge.llm.messages import ImagePart, Message
+from trajforge.schemas.config import EndpointSettings
 
 logger = logging.getLogger(__name__)
 

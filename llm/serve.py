@@ -22,10 +22,10 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from llm.calls import Sampling
-from llm.local import LocalModel, load
-from llm.messages import ImagePart, Message, TextPart
-from schemas.config import load_settings
+from trajforge.llm.calls import Sampling
+from trajforge.llm.local import LocalModel, load
+from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.schemas.config import load_settings
 
 
 class ChatRequest(BaseModel):

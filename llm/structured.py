@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from llm.prompts import OutputFormat
+from trajforge.llm.prompts import OutputFormat
 
 T = TypeVar("T", bound=BaseModel)
 

@@ -11,8 +11,8 @@ import hashlib
 import json
 from datetime import datetime, timezone
 
-from schemas.config import AndroidTask
-from schemas.records import Query
+from trajforge.schemas.config import AndroidTask
+from trajforge.schemas.records import Query
 
 ANDROID = "android"
 

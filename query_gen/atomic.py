@@ -30,12 +30,12 @@ from datetime import datetime
 
 from playwright.sync_api import Error as PlaywrightError
 
-from query_gen.graph import AppSpec, placeholders
-from query_gen.operations import SPACE_OPS, OpKind, Operation, dump_operations
-from rollout.apps import INTERACTION_CHECKER, BundledApp
-from rollout.env import Box, BrowserEnv, EnvFault
-from rollout.replay import MAX_SCROLLS, find_boxes, passage_boxes
-from schemas.records import Query
+from trajforge.envs.spec import AppSpec, placeholders
+from trajforge.envs.operations import SPACE_OPS, OpKind, Operation, dump_operations
+from trajforge.envs.apps import INTERACTION_CHECKER, BundledApp
+from trajforge.envs.browser import Box, BrowserEnv, EnvFault
+from trajforge.envs.locate import MAX_SCROLLS, find_boxes, passage_boxes
+from trajforge.schemas.records import Query
 
 GENERATOR = "atomic@1"
 

@@ -31,11 +31,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from llm import Gateway, Prompt, Sampling, load_prompt
-from query_gen.operations import Operation, dump_operations
-from rollout.apps import AppServer, BundledApp
-from rollout.env import BrowserEnv, Observation
-from schemas.records import Query
+from trajforge.llm import Gateway, Prompt, Sampling, load_prompt
+from trajforge.envs.operations import Operation, dump_operations
+from trajforge.envs.apps import AppServer, BundledApp
+from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.schemas.records import Query
 
 CLICK_ROLES = ("menuitem", "menuitemcheckbox", "menuitemradio", "tab", "button", "link")
 """Controls the search clicks. Text boxes, checkboxes and radios change values, not places."""

@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 
-from rollout.env import BrowserEnv
-from rollout.miniwob import MiniWoBEnv, MiniWoBServer, check_tasks
-from schemas.records import Query
+from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer, check_tasks
+from trajforge.schemas.records import Query
 
 
 def miniwob_queries(

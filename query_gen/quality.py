@@ -12,9 +12,9 @@ import json
 import re
 from collections import Counter
 
-from query_gen.graph import AppSpec
-from query_gen.operations import parse_operations
-from schemas.records import Query
+from trajforge.envs.spec import AppSpec
+from trajforge.envs.operations import parse_operations
+from trajforge.schemas.records import Query
 
 
 def normalise(instruction: str) -> str:

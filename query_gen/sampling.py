@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from query_gen.graph import AppSpec, placeholders
+from trajforge.envs.spec import AppSpec, placeholders
 
 TEMPLATE_GENERATOR = "template@1"
 

@@ -20,18 +20,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from llm import Gateway
-from query_gen.atomic import atomic_queries
-from query_gen.deep_search import Commander, deep_search_queries
-from query_gen.quality import coverage, remove_near_duplicates
-from query_gen.sampling import TEMPLATE_GENERATOR, SampledTask, sample_tasks
-from query_gen.synthesis import Synthesiser
-from query_gen.validation import InterfaceValidator
-from rollout.apps import AppServer, BundledApp
-from rollout.env import BrowserEnv
-from schemas.config import QueryGenSettings
-from schemas.records import Query
-from schemas.stage import StageOutput
+from trajforge.llm import Gateway
+from trajforge.query_gen.atomic import atomic_queries
+from trajforge.query_gen.deep_search import Commander, deep_search_queries
+from trajforge.query_gen.quality import coverage, remove_near_duplicates
+from trajforge.query_gen.sampling import TEMPLATE_GENERATOR, SampledTask, sample_tasks
+from trajforge.query_gen.synthesis import Synthesiser
+from trajforge.query_gen.validation import InterfaceValidator
+from trajforge.envs.apps import AppServer, BundledApp
+from trajforge.envs.browser import BrowserEnv
+from trajforge.schemas.config import QueryGenSettings
+from trajforge.schemas.records import Query
+from trajforge.schemas.stage import StageOutput
 
 logger = logging.getLogger(__name__)
 

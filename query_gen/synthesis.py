@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from llm import Gateway, Prompt, load_prompt
-from query_gen.graph import AppSpec
-from query_gen.sampling import TEMPLATE_GENERATOR, SampledTask
+from trajforge.llm import Gateway, Prompt, load_prompt
+from trajforge.envs.spec import AppSpec
+from trajforge.query_gen.sampling import TEMPLATE_GENERATOR, SampledTask
 
 SYNTHESIS_PROMPT = "query_synthesis"
 REFINE_PROMPT = "query_refine"

@@ -34,12 +34,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
-from query_gen.graph import AppSpec, UIAction, placeholders
-from query_gen.operations import parse_operations
+from trajforge.envs.spec import AppSpec, UIAction, placeholders
+from trajforge.envs.operations import parse_operations
 from playwright.sync_api import Error as PlaywrightError
 
-from rollout.env import BrowserEnv, EnvFault
-from schemas.records import Query
+from trajforge.envs.browser import BrowserEnv, EnvFault
+from trajforge.schemas.records import Query
 
 Target = tuple[str, str]
 """An element to look for: (role, accessible name with slots filled)."""

@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 from playwright.sync_api import Error as PlaywrightError
 
-from llm.calls import CallRecord
-from rollout import actions
-from rollout.env import BrowserEnv, Element, EnvFault, Observation
-from rollout.policy import Policy
-from schemas.records import Episode, Query, Step
+from trajforge.llm.calls import CallRecord
+from trajforge.envs import actions
+from trajforge.envs.browser import BrowserEnv, Element, EnvFault, Observation
+from trajforge.rollout.policy import Policy
+from trajforge.schemas.records import Episode, Query, Step
 
 
 class BlobRefLike(Protocol):

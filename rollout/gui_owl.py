@@ -15,11 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from llm import Gateway, ImagePart, load_prompt
-from rollout import actions
-from rollout.env import Observation
-from rollout.policy import PolicyOutput
-from schemas.records import Query
+from trajforge.llm import Gateway, ImagePart, load_prompt
+from trajforge.envs import actions
+from trajforge.envs.browser import Observation
+from trajforge.rollout.policy import PolicyOutput
+from trajforge.schemas.records import Query
 
 PROMPT = "gui_owl_e2e"
 FUNCTIONS = {"mobile": "mobile_use", "desktop": "computer_use"}

@@ -22,13 +22,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from llm import CallRecord, Gateway, ImagePart, load_prompt
-from llm.calls import ChatResult
-from rollout import actions
-from rollout.env import Observation
-from rollout.gui_owl import FUNCTIONS, ToolCall, action_lines, to_action
-from rollout.policy import PolicyOutput
-from schemas.records import Query
+from trajforge.llm import CallRecord, Gateway, ImagePart, load_prompt
+from trajforge.llm.calls import ChatResult
+from trajforge.envs import actions
+from trajforge.envs.browser import Observation
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, action_lines, to_action
+from trajforge.rollout.policy import PolicyOutput
+from trajforge.schemas.records import Query
 
 
 class Plan(BaseModel):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from llm.calls import CallRecord
-from rollout.env import BrowserEnv, Observation
-from schemas.records import Query
+from trajforge.llm.calls import CallRecord
+from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.schemas.records import Query
 
 
 @dataclass(frozen=True)

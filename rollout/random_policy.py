@@ -13,9 +13,9 @@ import random
 import re
 from typing import Any
 
-from rollout.env import INTERACTIVE_ROLES, Observation
-from rollout.policy import PolicyOutput
-from schemas.records import Query
+from trajforge.envs.browser import INTERACTIVE_ROLES, Observation
+from trajforge.rollout.policy import PolicyOutput
+from trajforge.schemas.records import Query
 
 _LINE = re.compile(r'^\s*(\w+) "([^"]*)".*\((-?\d+),(-?\d+),(\d+),(\d+)\)$')
 _TEXT_ROLES = {"textbox", "searchbox", "combobox", "spinbutton"}

@@ -19,22 +19,22 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-from query_gen.android import ANDROID
-from rollout.android import DevicePool
-from rollout.apps import AppServer, BundledApp, UnknownAppError, load_app
-from rollout.env import BrowserEnv
-from rollout.episode import BlobSink, run_episode
-from rollout.pool import EnvPool
-from llm import Gateway
-from rollout.gui_owl import GuiOwlPolicy
-from rollout.mobile_agent import MobileAgentPolicy
-from rollout.miniwob import MiniWoBEnv, MiniWoBServer
-from rollout.policy import Policy
-from rollout.random_policy import RandomPolicy
-from rollout.replay import ReplayPolicy
-from schemas.config import RolloutSettings
-from schemas.records import Episode, Query, Step
-from schemas.stage import StageOutput
+from trajforge.query_gen.android import ANDROID
+from trajforge.envs.android import DevicePool
+from trajforge.envs.apps import AppServer, BundledApp, UnknownAppError, load_app
+from trajforge.envs.browser import BrowserEnv
+from trajforge.rollout.episode import BlobSink, run_episode
+from trajforge.envs.pool import EnvPool
+from trajforge.llm import Gateway
+from trajforge.rollout.gui_owl import GuiOwlPolicy
+from trajforge.rollout.mobile_agent import MobileAgentPolicy
+from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer
+from trajforge.rollout.policy import Policy
+from trajforge.rollout.random_policy import RandomPolicy
+from trajforge.rollout.replay import ReplayPolicy
+from trajforge.schemas.config import RolloutSettings
+from trajforge.schemas.records import Episode, Query, Step
+from trajforge.schemas.stage import StageOutput
 
 
 MINIWOB = "miniwob"  # queries from the MiniWoB++ suite (query_gen.miniwob_tasks), not a bundled app

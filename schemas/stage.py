@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.records import Record
+from trajforge.schemas.records import Record
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Literal
 import pyarrow as pa
 from pydantic import ValidationError
 
-from schemas.records import RECORDS, Record
+from trajforge.schemas.records import RECORDS, Record
 
 SCHEMA_VERSION_KEY = "trajforge.schema_version"
 

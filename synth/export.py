@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from critics.steps import short_id
-from data.blobs import BlobStore
-from llm import ImagePart, TextPart, load_prompt
-from rollout import actions
-from rollout.gui_owl import FUNCTIONS, PROMPT, to_call, tool_spec
-from schemas.records import TrainingStep
-from schemas.stage import StageOutput
+from trajforge.critics.steps import short_id
+from trajforge.data.blobs import BlobStore
+from trajforge.llm import ImagePart, TextPart, load_prompt
+from trajforge.envs import actions
+from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, to_call, tool_spec
+from trajforge.schemas.records import TrainingStep
+from trajforge.schemas.stage import StageOutput
 
 KEPT_LABELS = ("GOOD", "NEUTRAL")
 

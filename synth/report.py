@@ -11,8 +11,8 @@ from pathlib import Path
 
 import polars as pl
 
-from guidance.history import hardness
-from tasks.workspace import Workspace
+from trajforge.guidance.history import hardness
+from trajforge.tasks.workspace import Workspace
 
 
 def _rate(successes: int, attempts: int) -> str:

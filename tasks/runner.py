@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-from data.catalog import Lineage, write_parquet_atomic
-from schemas.config import Settings
-from schemas.stage import StageOutput
-from schemas.tables import to_arrow
-from tasks.ledger import ShardRecord
-from tasks.workspace import Workspace, code_version
+from trajforge.data.catalog import Lineage, write_parquet_atomic
+from trajforge.schemas.config import Settings
+from trajforge.schemas.stage import StageOutput
+from trajforge.schemas.tables import to_arrow
+from trajforge.tasks.ledger import ShardRecord
+from trajforge.tasks.workspace import Workspace, code_version
 
 WriteMode = Literal["append", "overwrite"]
 

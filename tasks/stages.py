@@ -10,21 +10,21 @@ from typing import Any
 
 import polars as pl
 
-from critics.checkers import checker_for
-from critics.stage import judge
-from data.catalog import Lineage
-from guidance.distill import Describer
-from guidance.history import hardness
-from guidance.stage import guide, load_demonstrations, record
-from query_gen.android import ANDROID, android_queries
-from query_gen.miniwob import miniwob_queries
-from query_gen.stage import generate_queries
-from rollout.apps import load_app
-from rollout.stage import MINIWOB, rollout
-from schemas.stage import StageOutput
-from synth.export import export
-from tasks.runner import Inputs, StageDef
-from tasks.workspace import Workspace
+from trajforge.critics.checkers import checker_for
+from trajforge.critics.stage import judge
+from trajforge.data.catalog import Lineage
+from trajforge.guidance.distill import Describer
+from trajforge.guidance.history import hardness
+from trajforge.guidance.stage import guide, load_demonstrations, record
+from trajforge.query_gen.android import ANDROID, android_queries
+from trajforge.query_gen.miniwob import miniwob_queries
+from trajforge.query_gen.stage import generate_queries
+from trajforge.envs.apps import load_app
+from trajforge.rollout.stage import MINIWOB, rollout
+from trajforge.schemas.stage import StageOutput
+from trajforge.synth.export import export
+from trajforge.tasks.runner import Inputs, StageDef
+from trajforge.tasks.workspace import Workspace
 
 
 def rows_added(ws: Workspace, table: str, snapshot: int | None) -> tuple[pl.DataFrame, int]:

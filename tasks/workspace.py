@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from data.blobs import BlobStore
-from data.catalog import Catalog
-from llm import Gateway
-from schemas.config import Settings
-from tasks.ledger import Ledger
+from trajforge.data.blobs import BlobStore
+from trajforge.data.catalog import Catalog
+from trajforge.llm import Gateway
+from trajforge.schemas.config import Settings
+from trajforge.tasks.ledger import Ledger
 
 
 @functools.cache

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from llm import Gateway
-from llm.local import missing_models
-from rollout.apps import AppServer, BundledApp, load_app
-from rollout.env import BrowserEnv, Observation
-from rollout.policy import PolicyOutput
-from schemas.config import LLMSettings
-from schemas.records import Query
+from trajforge.llm import Gateway
+from trajforge.llm.local import missing_models
+from trajforge.envs.apps import AppServer, BundledApp, load_app
+from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.rollout.policy import PolicyOutput
+from trajforge.schemas.config import LLMSettings
+from trajforge.schemas.records import Query
 
 # Prefect keeps its database under PREFECT_HOME; tests must not touch the user's.
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="trajforge-prefect-"))

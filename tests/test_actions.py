@@ -21,12 +21,12 @@ from typing import Any, Literal
 
 import pytest
 
-from data.blobs import BlobStore
-from rollout import actions
-from rollout.env import BrowserEnv, Observation
-from rollout.episode import run_episode
-from rollout.policy import PolicyOutput
-from schemas.records import Query
+from trajforge.data.blobs import BlobStore
+from trajforge.envs import actions
+from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.rollout.episode import run_episode
+from trajforge.rollout.policy import PolicyOutput
+from trajforge.schemas.records import Query
 
 PAGES = Path(__file__).parent / "pages"
 

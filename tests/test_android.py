@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.android import AndroidEnv, parse_hierarchy
-from rollout.env import EnvFault
+from trajforge.envs.android import AndroidEnv, parse_hierarchy
+from trajforge.envs.browser import EnvFault
 
 FIXTURES = Path(__file__).parent / "fixtures" / "android"
 
@@ -122,11 +122,11 @@ def test_a_broken_dump_is_an_environment_fault():
 
 
 def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, monkeypatch):
-    from critics.checkers import checker_for
-    from data.blobs import BlobStore
-    from query_gen.android import android_queries
-    from rollout.stage import rollout
-    from schemas.config import AndroidTask, RolloutSettings
+    from trajforge.critics.checkers import checker_for
+    from trajforge.data.blobs import BlobStore
+    from trajforge.query_gen.android import android_queries
+    from trajforge.rollout.stage import rollout
+    from trajforge.schemas.config import AndroidTask, RolloutSettings
 
     monkeypatch.setenv("FAKE_ADB_LOG", str(tmp_path / "adb.log"))
     task = AndroidTask(instruction="Turn on Wi-Fi", start="com.android.settings/.Settings", probe="wifi_on",
@@ -151,10 +151,10 @@ def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, mo
 
 
 def test_android_queries_need_a_device_or_are_dropped_with_the_reason(tmp_path):
-    from data.blobs import BlobStore
-    from query_gen.android import android_queries
-    from rollout.stage import rollout
-    from schemas.config import AndroidTask, RolloutSettings
+    from trajforge.data.blobs import BlobStore
+    from trajforge.query_gen.android import android_queries
+    from trajforge.rollout.stage import rollout
+    from trajforge.schemas.config import AndroidTask, RolloutSettings
 
     (query,) = android_queries([AndroidTask(instruction="x", start="a.b/.C", probe="p", value="1")], run_id="r")
     out = rollout([query.model_dump()], run_id="r", settings=RolloutSettings(policy="random"),
@@ -164,10 +164,10 @@ def test_android_queries_need_a_device_or_are_dropped_with_the_reason(tmp_path):
 
 
 def test_android_tasks_become_queries_in_the_query_gen_stage(tmp_path):
-    from schemas.config import Settings
-    from tasks.runner import commit, plan, run_shard
-    from tasks.stages import STAGES
-    from tasks.workspace import Workspace
+    from trajforge.schemas.config import Settings
+    from trajforge.tasks.runner import commit, plan, run_shard
+    from trajforge.tasks.stages import STAGES
+    from trajforge.tasks.workspace import Workspace
 
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, query_gen={
         "apps": [], "android_tasks": [{"instruction": "Turn on Wi-Fi", "start": "com.android.settings/.Settings",

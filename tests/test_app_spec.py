@@ -5,8 +5,8 @@ import copy
 import pytest
 import yaml
 
-from query_gen.graph import SpecError, load_spec
-from query_gen.sampling import goal_paths, sample_tasks
+from trajforge.envs.spec import SpecError, load_spec
+from trajforge.query_gen.sampling import goal_paths, sample_tasks
 
 SPEC = {
     "app": "mini",

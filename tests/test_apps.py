@@ -22,10 +22,10 @@ import networkx as nx
 import pytest
 import yaml
 
-from query_gen.graph import SpecError, load_spec
-from rollout.apps import SESSION_COOKIE, AppServer, BundledApp, UnknownAppError, known_apps, load_app
-from rollout.apps.shop import app as shop_module
-from rollout.env import BrowserEnv
+from trajforge.envs.spec import SpecError, load_spec
+from trajforge.envs.apps import SESSION_COOKIE, AppServer, BundledApp, UnknownAppError, known_apps, load_app
+from trajforge.envs.apps.shop import app as shop_module
+from trajforge.envs.browser import BrowserEnv
 
 
 def http(server: AppServer, method: str, path: str, session: str | None = None,
@@ -92,7 +92,7 @@ def test_load_app_rejects_goal_with_missing_checker(monkeypatch: pytest.MonkeyPa
         app.checkers = {k: v for k, v in app.checkers.items() if k != "order_placed"}
         return app
 
-    monkeypatch.setattr("rollout.apps.shop.create_app", lacking)
+    monkeypatch.setattr("trajforge.envs.apps.shop.create_app", lacking)
     with pytest.raises(SpecError, match=r"spec\.yaml: pages\.confirmation\.goal\.checker: .*'order_placed'"):
         load_app("shop")
 

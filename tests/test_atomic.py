@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
-from data.blobs import BlobStore
-from query_gen.atomic import GENERATOR, Route, atomic_queries, crawlable_routes, parse_ax_tree
-from query_gen.operations import SPACE_OPS, Operation, parse_operations
-from rollout.apps import UI_EVENTS, AppServer, check_interaction, load_app
-from rollout.env import BrowserEnv
-from rollout.episode import run_episode
-from rollout.replay import ReplayPolicy
-from rollout.stage import rollout
-from schemas.config import RolloutSettings
-from schemas.records import Episode, Query
+from trajforge.data.blobs import BlobStore
+from trajforge.query_gen.atomic import GENERATOR, Route, atomic_queries, crawlable_routes, parse_ax_tree
+from trajforge.envs.operations import SPACE_OPS, Operation, parse_operations
+from trajforge.envs.apps import UI_EVENTS, AppServer, check_interaction, load_app
+from trajforge.envs.browser import BrowserEnv
+from trajforge.rollout.episode import run_episode
+from trajforge.rollout.replay import ReplayPolicy
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.config import RolloutSettings
+from trajforge.schemas.records import Episode, Query
 
 APPS = ("shop", "mail", "calendar", "notes", "settings")
 """The apps whose pages the generator and the recorder were built against."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, UnidentifiedImageError
 
-from data.blobs import BlobCorrupted, BlobMissing, BlobRef, BlobStore
+from trajforge.data.blobs import BlobCorrupted, BlobMissing, BlobRef, BlobStore
 
 
 def png(width: int, height: int, color: tuple[int, int, int] = (30, 120, 200)) -> bytes:

@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy
 from polars.exceptions import PerformanceWarning
 
-from data.catalog import TABLE_PROPERTIES, Catalog, CatalogError, Lineage, UnknownRef
-from schemas.records import Step
-from schemas.tables import RowError, arrow_schema, to_arrow
+from trajforge.data.catalog import TABLE_PROPERTIES, Catalog, CatalogError, Lineage, UnknownRef
+from trajforge.schemas.records import Step
+from trajforge.schemas.tables import RowError, arrow_schema, to_arrow
 
 
 def query_row(query_id: str, instruction: str | None = None, run_id: str = "run-1") -> dict[str, Any]:

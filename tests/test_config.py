@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import ConfigError, load_settings
+from trajforge.schemas.config import ConfigError, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +21,7 @@ def test_defaults_without_file(tmp_path, monkeypatch):
     settings = load_settings()
     assert settings.warehouse.path == Path("data/warehouse")
     assert settings.warehouse.catalog_url is None
-    from rollout.apps import known_apps
+    from trajforge.envs.apps import known_apps
 
     assert sorted(settings.query_gen.apps) == known_apps()  # every bundled app by default
 

@@ -23,21 +23,21 @@ from PIL import Image
 from test_llm_failures import Reply, ScriptedServer
 
 from conftest import ScriptedPolicy, require
-from critics.annotate import BOX_COLOR, POINT_COLOR, RING_RADIUS, annotate
-from critics.checkers import checker_for
-from critics.stage import judge
-from critics.steps import StepJudgement
-from critics.trajectory import ChannelAnswer, consensus, not_asked
-from data.blobs import BlobStore
-from llm import Gateway
-from llm.local import missing_models
-from llm.structured import ParseError, parse
-from rollout.apps import AppServer, load_app
-from rollout.env import BrowserEnv
-from rollout.episode import run_episode
-from rollout.replay import ReplayPolicy
-from schemas.config import CriticSettings, LLMSettings
-from schemas.records import Query
+from trajforge.critics.annotate import BOX_COLOR, POINT_COLOR, RING_RADIUS, annotate
+from trajforge.critics.checkers import checker_for
+from trajforge.critics.stage import judge
+from trajforge.critics.steps import StepJudgement
+from trajforge.critics.trajectory import ChannelAnswer, consensus, not_asked
+from trajforge.data.blobs import BlobStore
+from trajforge.llm import Gateway
+from trajforge.llm.local import missing_models
+from trajforge.llm.structured import ParseError, parse
+from trajforge.envs.apps import AppServer, load_app
+from trajforge.envs.browser import BrowserEnv
+from trajforge.rollout.episode import run_episode
+from trajforge.rollout.replay import ReplayPolicy
+from trajforge.schemas.config import CriticSettings, LLMSettings
+from trajforge.schemas.records import Query
 
 SCRIPT = [
     {"type": "fly"},

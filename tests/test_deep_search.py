@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from data.blobs import BlobStore
-from llm import Gateway, Sampling
-from llm.local import SMOLLM2_ID
-from query_gen.deep_search import (
+from trajforge.data.blobs import BlobStore
+from trajforge.llm import Gateway, Sampling
+from trajforge.llm.local import SMOLLM2_ID
+from trajforge.query_gen.deep_search import (
     TEMPLATE_GENERATOR,
     Commander,
     DeepSearch,
@@ -28,11 +28,11 @@ from query_gen.deep_search import (
     pathway_queries,
     template_command,
 )
-from query_gen.operations import Operation, parse_operations
-from rollout.apps import AppServer, BundledApp, load_app
-from rollout.env import BrowserEnv
-from rollout.stage import rollout
-from schemas.config import RolloutSettings
+from trajforge.envs.operations import Operation, parse_operations
+from trajforge.envs.apps import AppServer, BundledApp, load_app
+from trajforge.envs.browser import BrowserEnv
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.config import RolloutSettings
 
 MODEL_GENERATOR = f"{SMOLLM2_ID}+deep_search_selection@1+deep_search_command@1"
 

@@ -19,16 +19,16 @@ from typing import cast
 import networkx as nx
 import pytest
 
-from data.blobs import BlobRef, BlobStore
-from query_gen.graph import AppSpec
-from rollout.apps import AppServer, BundledApp
-from rollout.env import BrowserEnv, EnvFault
-from rollout.episode import run_episode
-from rollout.pool import EnvPool
-from rollout.replay import ReplayPolicy
-from rollout.stage import episode_id_for, rollout
-from schemas.config import RolloutSettings
-from schemas.records import Episode, Query, Step
+from trajforge.data.blobs import BlobRef, BlobStore
+from trajforge.envs.spec import AppSpec
+from trajforge.envs.apps import AppServer, BundledApp
+from trajforge.envs.browser import BrowserEnv, EnvFault
+from trajforge.rollout.episode import run_episode
+from trajforge.envs.pool import EnvPool
+from trajforge.rollout.replay import ReplayPolicy
+from trajforge.rollout.stage import episode_id_for, rollout
+from trajforge.schemas.config import RolloutSettings
+from trajforge.schemas.records import Episode, Query, Step
 
 
 def goal_query(spec: AppSpec, goal: str, query_id: str) -> Query:

@@ -15,14 +15,14 @@ import pytest
 from conftest import require
 from PIL import Image
 
-from data.blobs import BlobStore
-from guidance.distill import Describer, guidance_row, rule_check
-from guidance.history import hardness
-from guidance.stage import guide, load_demonstrations
-from llm import Gateway, load_prompt
-from llm.local import missing_models
-from rollout.gui_owl import PROMPT, ToolCall, to_action, to_call
-from schemas.config import Settings
+from trajforge.data.blobs import BlobStore
+from trajforge.guidance.distill import Describer, guidance_row, rule_check
+from trajforge.guidance.history import hardness
+from trajforge.guidance.stage import guide, load_demonstrations
+from trajforge.llm import Gateway, load_prompt
+from trajforge.llm.local import missing_models
+from trajforge.rollout.gui_owl import PROMPT, ToolCall, to_action, to_call
+from trajforge.schemas.config import Settings
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 TREE_HOME = 'RootWebArea "Home" (0,0,412,915)\n  link "Settings" (10,10,80,30)\n  link "Cart" (100,10,60,30)'

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from llm.cache import ResponseCache
-from llm.calls import Completion
+from trajforge.llm.cache import ResponseCache
+from trajforge.llm.calls import Completion
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

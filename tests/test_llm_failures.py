@@ -26,10 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from data.catalog import Lineage
-from llm import ChatResult, Gateway, GatewayError, Sampling, load_prompt
-from llm.cache import responses
-from schemas.config import LLMSettings, Settings, load_settings
+from trajforge.data.catalog import Lineage
+from trajforge.llm import ChatResult, Gateway, GatewayError, Sampling, load_prompt
+from trajforge.llm.cache import responses
+from trajforge.schemas.config import LLMSettings, Settings, load_settings
 
 PROMPT = """
 version: 2

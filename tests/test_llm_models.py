@@ -24,11 +24,11 @@ import pytest
 from conftest import require
 from PIL import Image, ImageDraw, ImageFont
 
-from data.blobs import BlobStore
-from llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
-from llm.local import SMOLLM2_ID, load, missing_models
-from llm.ocr import as_text
-from schemas.config import LLMSettings, LocalModelSettings, load_settings
+from trajforge.data.blobs import BlobStore
+from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
+from trajforge.llm.local import SMOLLM2_ID, load, missing_models
+from trajforge.llm.ocr import as_text
+from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_settings
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
 
@@ -75,7 +75,7 @@ def served(*args: str, log: Path) -> Iterator[str]:
         port = s.getsockname()[1]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llm.serve", "--port", str(port), *args],
+            [sys.executable, "-m", "trajforge.llm.serve", "--port", str(port), *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=Path(__file__).parents[1],

@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 from pydantic import BaseModel
 
-from llm import ImagePart, PromptError, Sampling, load_prompt
-from llm.cache import cache_key
-from llm.prompts import PROMPTS_DIR
-from llm.structured import ParseError, parse
+from trajforge.llm import ImagePart, PromptError, Sampling, load_prompt
+from trajforge.llm.cache import cache_key
+from trajforge.llm.prompts import PROMPTS_DIR
+from trajforge.llm.structured import ParseError, parse
 
 JUDGE = """
 version: 3

@@ -16,10 +16,10 @@ import polars as pl
 import pytest
 
 from conftest import require
-from llm.local import SMOLLM2_ID, missing_models
-from rollout.stage import rollout
-from schemas.config import Settings
-from tasks.workspace import Workspace
+from trajforge.llm.local import SMOLLM2_ID, missing_models
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.config import Settings
+from trajforge.tasks.workspace import Workspace
 from test_rollout import make_query
 
 pytestmark = pytest.mark.browser

@@ -16,8 +16,8 @@ import polars as pl
 import pytest
 import sqlalchemy as sa
 
-from schemas.config import Settings
-from tasks.workspace import Workspace
+from trajforge.schemas.config import Settings
+from trajforge.tasks.workspace import Workspace
 
 pytestmark = pytest.mark.browser
 
@@ -183,7 +183,7 @@ def test_broken_app_spec_fails_before_any_work(tmp_path):
     spec = tmp_path / "rollout" / "apps" / "shop" / "spec.yaml"
     spec.write_text(spec.read_text().replace("to: cart", "to: basket", 1))
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "nightly"], cwd=tmp_path,
+        [sys.executable, "-m", "trajforge.flows.cli", "run", "nightly"], cwd=tmp_path,
         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"},
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -193,7 +193,7 @@ def test_broken_app_spec_fails_before_any_work(tmp_path):
 
 
 def test_miniwob_tasks_run_through_the_pipeline_with_their_rewards(tmp_path, chromium, trajforge_cli):
-    from rollout.miniwob import DEFAULT_TASKS
+    from trajforge.envs.miniwob import DEFAULT_TASKS
 
     (tmp_path / "trajforge.yaml").write_text(
         "query_gen:\n  apps: []\n  miniwob_tasks: [" + ", ".join(DEFAULT_TASKS) + "]\n  miniwob_max_steps: 3\n"

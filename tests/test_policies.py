@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from llm.structured import ParseError, parse
-from rollout import actions
-from rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
+from trajforge.llm.structured import ParseError, parse
+from trajforge.envs import actions
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
 
 
 @pytest.mark.parametrize("space", ["mobile", "desktop"])

@@ -14,13 +14,13 @@ from typing import cast
 
 import pytest
 
-from data.blobs import BlobStore
-from query_gen.quality import normalise
-from query_gen.stage import generate_queries
-from rollout.apps import load_app
-from rollout.stage import rollout
-from schemas.config import QueryGenSettings, RolloutSettings
-from schemas.records import Episode, Query
+from trajforge.data.blobs import BlobStore
+from trajforge.query_gen.quality import normalise
+from trajforge.query_gen.stage import generate_queries
+from trajforge.envs.apps import load_app
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.config import QueryGenSettings, RolloutSettings
+from trajforge.schemas.records import Episode, Query
 
 PAGE_GRAPH_APPS = ("calendar", "mail", "notes", "settings", "shop")
 

@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from llm import Gateway
-from llm.local import SMOLLM2_ID
-from query_gen.graph import AppSpec
-from query_gen.quality import coverage, normalise, remove_near_duplicates
-from query_gen.sampling import TEMPLATE_GENERATOR, sample_tasks
-from query_gen.stage import generate_queries
-from query_gen.synthesis import Synthesiser, missing_slot
-from query_gen.validation import InterfaceValidator
-from rollout.apps import AppServer, BundledApp, load_app, not_found
-from rollout.env import BrowserEnv
-from schemas.config import QueryGenSettings
-from schemas.records import Query
+from trajforge.llm import Gateway
+from trajforge.llm.local import SMOLLM2_ID
+from trajforge.envs.spec import AppSpec
+from trajforge.query_gen.quality import coverage, normalise, remove_near_duplicates
+from trajforge.query_gen.sampling import TEMPLATE_GENERATOR, sample_tasks
+from trajforge.query_gen.stage import generate_queries
+from trajforge.query_gen.synthesis import Synthesiser, missing_slot
+from trajforge.query_gen.validation import InterfaceValidator
+from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
+from trajforge.envs.browser import BrowserEnv
+from trajforge.schemas.config import QueryGenSettings
+from trajforge.schemas.records import Query
 
 MODEL_GENERATOR = f"{SMOLLM2_ID}+query_synthesis@1+query_refine@1"
 
@@ -169,7 +169,7 @@ def test_a_page_entered_by_a_form_is_reached_by_driving_it(env: BrowserEnv) -> N
 def test_an_app_that_loses_a_dish_and_a_page_drops_exactly_the_queries_that_used_them(
         shop: BundledApp, env: BrowserEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     """The app changes under its spec, as apps do between nights: validation, rerun, notices."""
-    import rollout.apps.shop.app as shop_app
+    import trajforge.envs.apps.shop.app as shop_app
 
     queries = shop_queries(shop, 40)
     with AppServer(shop) as srv:

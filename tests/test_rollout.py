@@ -20,17 +20,17 @@ import pytest
 from conftest import ScriptedPolicy
 from PIL import Image
 
-from data.blobs import BlobStore
-from query_gen.graph import AppSpec, placeholders
-from rollout import actions
-from rollout.apps import AppServer, BundledApp, known_apps, load_app
-from rollout.env import BrowserEnv, Observation
-from rollout.episode import run_episode
-from rollout.policy import PolicyOutput
-from rollout.replay import ReplayPolicy, SlotError, plan
-from rollout.stage import episode_id_for, rollout
-from schemas.config import RolloutSettings
-from schemas.records import Episode, Query, Step
+from trajforge.data.blobs import BlobStore
+from trajforge.envs.spec import AppSpec, placeholders
+from trajforge.envs import actions
+from trajforge.envs.apps import AppServer, BundledApp, known_apps, load_app
+from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.rollout.episode import run_episode
+from trajforge.rollout.policy import PolicyOutput
+from trajforge.rollout.replay import ReplayPolicy, SlotError, plan
+from trajforge.rollout.stage import episode_id_for, rollout
+from trajforge.schemas.config import RolloutSettings
+from trajforge.schemas.records import Episode, Query, Step
 
 VIEWPORTS = ["mobile", "desktop"]
 

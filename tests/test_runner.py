@@ -7,12 +7,12 @@ from datetime import datetime, timezone
 
 import pytest
 
-from data.catalog import Lineage
-from schemas.config import Settings
-from schemas.stage import StageOutput
-from schemas.tables import RowError
-from tasks.runner import Inputs, StageDef, commit, plan, run_shard
-from tasks.workspace import Workspace, code_version
+from trajforge.data.catalog import Lineage
+from trajforge.schemas.config import Settings
+from trajforge.schemas.stage import StageOutput
+from trajforge.schemas.tables import RowError
+from trajforge.tasks.runner import Inputs, StageDef, commit, plan, run_shard
+from trajforge.tasks.workspace import Workspace, code_version
 
 APPS = [f"app{i}" for i in range(7)]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import Settings
-from tasks.workspace import Workspace
+from trajforge.schemas.config import Settings
+from trajforge.tasks.workspace import Workspace
 
 pytestmark = pytest.mark.browser
 

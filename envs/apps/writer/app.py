@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.apps import BundledApp, Request, Response, not_found, redirect
-from rollout.apps.kit import alert, checkbox, clean, document, esc, field, missing, norm, radios, slug
+from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.kit import alert, checkbox, clean, document, esc, field, missing, norm, radios, slug
 
 APP_TITLE = "Writer"
 ORIENTATIONS = ("Portrait", "Landscape")

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlencode
 
-from rollout.apps import RECORDER_SCRIPT, BundledApp, Request, Response, html_response, not_found, redirect
-from rollout.apps.kit import alert, esc, missing, norm
+from trajforge.envs.apps import RECORDER_SCRIPT, BundledApp, Request, Response, html_response, not_found, redirect
+from trajforge.envs.apps.kit import alert, esc, missing, norm
 
 SIZES: dict[str, int] = {"Small": -200, "Medium": 0, "Large": 300}
 """Size label -> price change in cents against the dish's medium price."""

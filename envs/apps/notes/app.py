@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from rollout.apps import BundledApp, Request, Response, not_found, redirect
-from rollout.apps.kit import alert, checkbox, clean, document, esc, field, missing, norm, notice, slug
+from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.kit import alert, checkbox, clean, document, esc, field, missing, norm, notice, slug
 
 TAGS = ("Work", "Personal", "Ideas", "Travel", "Recipes")
 """Every tag a note can have; each is a checkbox named after it in the forms."""

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from rollout.env import CHROMIUM, BrowserEnv, BrowserHost
+from trajforge.envs.browser import CHROMIUM, BrowserEnv, BrowserHost
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")

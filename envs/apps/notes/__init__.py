@@ -1,5 +1,5 @@
 """Jotter, the bundled notes app (see `app.py` for pages and state)."""
 
-from rollout.apps.notes.app import NotesApp, create_app
+from trajforge.envs.apps.notes.app import NotesApp, create_app
 
 __all__ = ["NotesApp", "create_app"]

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollout.apps import BundledApp, Request, Response, not_found, redirect
-from rollout.apps.kit import alert, checkbox, document, esc, missing, norm, notice, radios
+from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.kit import alert, checkbox, document, esc, missing, norm, notice, radios
 
 BRIGHTNESS = ("Low", "Medium", "High", "Maximum")
 RINGTONES = ("Chimes", "Classic bell", "Marimba", "Ripple", "Sunrise")

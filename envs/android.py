@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rollout import actions
-from rollout.env import Box, Element, EnvFault, Observation, format_box, png_size
-from schemas.config import AndroidSettings
+from trajforge.envs import actions
+from trajforge.envs.browser import Box, Element, EnvFault, Observation, format_box, png_size
+from trajforge.schemas.config import AndroidSettings
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from query_gen.graph import AppSpec, SpecError, load_spec
+from trajforge.envs.spec import AppSpec, SpecError, load_spec
 
 SESSION_COOKIE = "tf_session"
 

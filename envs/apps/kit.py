@@ -14,7 +14,7 @@ import html
 import re
 from collections.abc import Iterable
 
-from rollout.apps import RECORDER_SCRIPT, Response, html_response
+from trajforge.envs.apps import RECORDER_SCRIPT, Response, html_response
 
 
 def esc(text: object) -> str:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from rollout.apps import BundledApp, Request, Response, not_found, redirect
-from rollout.apps.kit import alert, clean, document, esc, field, missing, norm, notice
+from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.kit import alert, clean, document, esc, field, missing, norm, notice
 
 ME = ("Alex Morgan", "alex.morgan@example.com")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from rollout.apps import BundledApp, Request, Response, not_found, redirect
-from rollout.apps.kit import alert, clean, document, esc, field, missing, norm, notice, radios
+from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.kit import alert, clean, document, esc, field, missing, norm, notice, radios
 
 DAYS: dict[str, str] = {
     "Monday": "7 December", "Tuesday": "8 December", "Wednesday": "9 December", "Thursday": "10 December",

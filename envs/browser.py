@@ -48,8 +48,8 @@ from playwright.async_api import (
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
-from rollout import actions
-from rollout.apps import SESSION_COOKIE
+from trajforge.envs import actions
+from trajforge.envs.apps import SESSION_COOKIE
 
 T = TypeVar("T")
 

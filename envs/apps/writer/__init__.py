@@ -1,5 +1,5 @@
 """Writer, the bundled desktop-style document editor (see `app.py` for its surfaces and state)."""
 
-from rollout.apps.writer.app import WriterApp, create_app
+from trajforge.envs.apps.writer.app import WriterApp, create_app
 
 __all__ = ["WriterApp", "create_app"]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from rollout.env import BrowserEnv
+from trajforge.envs.browser import BrowserEnv
 
 # Tasks that a pixel-level agent can do on one screen without timing tricks; the
 # default query set (30+ tasks of clicking, typing, choosing, forms and navigation).
