@@ -11,19 +11,32 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from trajforge.critics import trajectory
-from trajforge.critics.steps import StepCritic, short_id
+from trajforge.critics.steps import StepCritic
+from trajforge.schemas.ids import short_id
 from trajforge.critics.trajectory import CHECKER, MULTIMODAL, TEXT, ChannelAnswer
 from trajforge.data.blobs import BlobStore
 from trajforge.llm import Gateway
 from trajforge.schemas.config import CriticSettings
-from trajforge.schemas.records import StepCritique, Verdict
-from trajforge.schemas.stage import StageOutput
+from trajforge.envs.kinds import kind_for
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.records import Episode, Query, Step, StepCritique, Verdict
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 # (checker name, params, state) -> (success, reason): the app's own checker.
 Checker = Callable[[str, dict[str, str], dict[str, Any]], tuple[bool, str]]
+
+
+@dataclass(frozen=True)
+class EpisodeUnit:
+    """One episode to judge, with its steps in order and the query it tried (None: not in the input)."""
+
+    episode: Episode
+    steps: list[Step]
+    query: Query | None
 
 
 def _check_models(settings: CriticSettings, gateway: Gateway | None) -> None:
@@ -37,7 +50,7 @@ def _check_models(settings: CriticSettings, gateway: Gateway | None) -> None:
 
 
 def judge(
-    episodes: list[dict[str, Any]],
+    episodes: list[EpisodeUnit],
     *,
     run_id: str,
     settings: CriticSettings,
@@ -46,7 +59,7 @@ def judge(
     blobs: BlobStore,
     gateway: Gateway | None,
 ) -> StageOutput:
-    """Judge episodes; each dict holds the episode's columns plus `steps` and `query`.
+    """Judge episodes, each with its steps and query.
 
     `gateway` None asks no model: the step critic is rules only and the model channels
     are recorded as not asked. An episode that ended in an environment fault gets step
@@ -58,13 +71,14 @@ def judge(
         run_id, blobs, gateway if settings.step_critic == "model" else None, settings.step_model
     )
 
-    def one(ep: dict[str, Any]) -> tuple[list[StepCritique], Verdict | None, str | None]:
-        critiques = step_critic.critique_episode(ep["episode_id"], ep["instruction"], ep["steps"])
-        if ep["status"] == "env_fault":
+    def one(unit: EpisodeUnit) -> tuple[list[StepCritique], Verdict | None, str | None]:
+        ep = unit.episode
+        critiques = step_critic.critique_episode(ep.episode_id, ep.instruction, [s.model_dump() for s in unit.steps])
+        if ep.status == "env_fault":
             return critiques, None, "env_fault: no verdict"
-        if ep["query"] is None:
+        if unit.query is None:
             return critiques, None, "query not found in the input snapshot"
-        return critiques, _verdict(ep, critiques, run_id, settings, config_hash, checker_for, blobs, gateway), None
+        return critiques, _verdict(unit, critiques, run_id, settings, config_hash, checker_for, blobs, gateway), None
 
     out = StageOutput()
     critiques: list[StepCritique] = []
@@ -82,7 +96,7 @@ def judge(
 
 
 def _verdict(
-    ep: dict[str, Any],
+    unit: EpisodeUnit,
     critiques: list[StepCritique],
     run_id: str,
     settings: CriticSettings,
@@ -91,35 +105,36 @@ def _verdict(
     blobs: BlobStore,
     gateway: Gateway | None,
 ) -> Verdict:
-    query = ep["query"]
-    success, reason = checker_for(ep["app"])(
-        query["checker"], json.loads(query["checker_params_json"]), json.loads(ep["final_state_json"])
+    ep, query = unit.episode, unit.query
+    assert query is not None
+    success, reason = checker_for(ep.app)(
+        query.checker, json.loads(query.checker_params_json), json.loads(ep.final_state_json)
     )
     channels: dict[str, ChannelAnswer] = {
-        CHECKER: trajectory.checker_channel(success, reason, f"checker:{ep['app']}/{query['checker']}")
+        CHECKER: trajectory.checker_channel(success, reason, f"checker:{ep.app}/{query.checker}")
     }
     summaries = [c.summary for c in critiques]
-    after = [s["screenshot_after"] for s in ep["steps"]]
+    after = [s.screenshot_after for s in unit.steps]
     if gateway is None:
         channels[TEXT] = trajectory.not_asked("no model gateway given to the critics")
         channels[MULTIMODAL] = trajectory.not_asked("no model gateway given to the critics")
     else:
         channels[TEXT] = (
             trajectory.text_channel(
-                gateway, settings.text_model, ep["instruction"], summaries, blobs.get(after[-1]) if after else None
+                gateway, settings.text_model, ep.instruction, summaries, blobs.get(after[-1]) if after else None
             )
             if settings.text_channel
             else trajectory.not_asked("critics.text_channel is off")
         )
         channels[MULTIMODAL] = trajectory.multimodal_channel(
-            gateway, settings.multimodal_model, ep["instruction"], summaries, after[-settings.multimodal_images :]
+            gateway, settings.multimodal_model, ep.instruction, summaries, after[-settings.multimodal_images :]
         )
     success, reason = trajectory.consensus(settings.consensus, channels, settings.k)
     return Verdict(
         run_id=run_id,
-        verdict_id=short_id(run_id, ep["episode_id"]),
-        episode_id=ep["episode_id"],
-        query_id=ep["query_id"],
+        verdict_id=short_id(run_id, ep.episode_id),
+        episode_id=ep.episode_id,
+        query_id=ep.query_id,
         success=success,
         consensus=settings.consensus if settings.consensus != "k_of_n" else f"k_of_n:k={settings.k}",
         channels_json=json.dumps({name: c.as_json() for name, c in channels.items()}),
@@ -145,3 +160,50 @@ def _account(out: StageOutput, critiques: list[StepCritique], verdicts: list[Ver
             if channel["prompt_version"]:
                 prompt = trajectory.TEXT_PROMPT if name == TEXT else trajectory.MULTIMODAL_PROMPT
                 out.prompts[prompt] = channel["prompt_version"]
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def checker_for(app: str) -> Checker:
+    """The checker of one app's kind (bundled app state, MiniWoB++ reward, Android probe): one signature."""
+    return kind_for(app).check
+
+
+def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
+    """Episodes of one version, with the steps and queries of the same rollout run."""
+    episodes, snapshot = ws.catalog.rows_added("episodes", snapshot)
+    lineage = ws.catalog.lineage("episodes", snapshot)
+    if lineage is None:
+        raise LookupError(f"episodes@{snapshot} has no lineage, so its steps and queries cannot be found")
+    steps_snapshot = ws.catalog.snapshot_of_commit("steps", f"{lineage.run_id}:{lineage.stage}:steps")
+    steps, _ = ws.catalog.rows_added("steps", steps_snapshot)
+    queries_snapshot = lineage.inputs["queries"]
+    queries = {q["query_id"]: Query.model_validate(q) for q in ws.catalog.load("queries", queries_snapshot).to_dicts()}
+    by_episode: dict[str, list[Step]] = {}
+    for step in steps.sort("step_index").to_dicts():
+        by_episode.setdefault(step["episode_id"], []).append(Step.model_validate(step))
+    units = [
+        EpisodeUnit(Episode.model_validate(ep), by_episode.get(ep["episode_id"], []), queries.get(ep["query_id"]))
+        for ep in episodes.to_dicts()
+    ]
+    return Inputs(units=units, snapshots={"episodes": snapshot, "steps": steps_snapshot, "queries": queries_snapshot})
+
+
+def run_critics(units: list[EpisodeUnit], ws: Workspace, run_id: str, config_hash: str) -> StageOutput:
+    cfg = ws.settings.critics
+    asks_models = cfg.step_critic == "model" or cfg.text_channel or cfg.multimodal_model is not None
+    return judge(units, run_id=run_id, settings=cfg, config_hash=config_hash, checker_for=checker_for,
+                 blobs=ws.blobs, gateway=ws.gateway if asks_models else None)
+
+
+STAGE = StageDef[Workspace, EpisodeUnit](
+    name="critics",
+    key=lambda u: u.episode.episode_id,
+    reads="episodes",
+    writes={"step_critiques": "append", "verdicts": "append"},
+    sections=("critics", "llm"),
+    load=load_episodes,
+    run=run_critics,
+    shard_size=lambda s: s.critics.episodes_per_shard,
+)

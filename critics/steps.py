@@ -9,7 +9,6 @@ no answer, is kept as a critique with no label and the reason, never guessed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from trajforge.critics.annotate import annotate
 from trajforge.data.blobs import BlobStore
 from trajforge.llm import Gateway, GatewayError, load_prompt
 from trajforge.llm.messages import ImagePart
+from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import StepCritique
 
 STEP_PROMPT = "critic_step"
@@ -45,11 +45,6 @@ class StepJudgement(BaseModel):
         if words > MAX_SUMMARY_WORDS:
             raise ValueError(f"has {words} words; at most {MAX_SUMMARY_WORDS}")
         return summary
-
-
-def short_id(*parts: str) -> str:
-    """A stable row id from the parts that make a row unique."""
-    return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
 def describe_action(step: dict[str, Any]) -> str:

@@ -14,7 +14,6 @@ snapshots (shared/FACTS.md): commit once per stage, not once per shard.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -53,6 +52,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from trajforge.schemas.ids import digest
 from trajforge.schemas.config import WarehouseSettings
 from trajforge.schemas.records import RECORDS, Record
 from trajforge.schemas.tables import SCHEMA_VERSION_KEY, arrow_schema, record_model, to_arrow
@@ -190,8 +190,8 @@ def _file_uri(path: str | Path) -> str:
 def _commit_file_stem(commit_key: str) -> str:
     """A file name derived from the commit key, so a rerun of a crashed commit rewrites the same file."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", commit_key).strip("._")[:80]
-    digest = hashlib.sha256(commit_key.encode()).hexdigest()[:12]
-    return f"{readable}-{digest}" if readable else digest
+    tail = digest(commit_key, 12)
+    return f"{readable}-{tail}" if readable else tail
 
 
 def _parse_lineage(snapshot: Snapshot) -> Lineage | None:
@@ -528,6 +528,34 @@ class Catalog:
                 )
             )
         return infos
+
+    def latest(self, table: str) -> tuple[pl.DataFrame, int | None]:
+        """Every row of a table's latest version (an empty frame before its first), and that version's id."""
+        _, snapshot = self.resolve(f"{table}@latest")
+        return self.load(table, snapshot), snapshot
+
+    def rows_added(self, table: str, snapshot: int | None) -> tuple[pl.DataFrame, int]:
+        """The rows one version of a table added (its run's rows), and that version's id (None: the latest).
+
+        Tables accumulate across runs; a stage works on what one run produced, which is
+        what `--input TABLE@VERSION` names.
+        """
+        if snapshot is None:
+            _, snapshot = self.resolve(f"{table}@latest")
+            if snapshot is None:
+                raise LookupError(f"table {table!r} has no version yet; run the stage that writes it first")
+        frame = self.load(table, snapshot)
+        lineage = self.lineage(table, snapshot)
+        if lineage is not None:
+            frame = frame.filter(pl.col("run_id") == lineage.run_id)
+        return frame, snapshot
+
+    def snapshot_of_commit(self, table: str, commit_key: str) -> int:
+        """The version a stage committed under `commit_key` (run:stage:table), found through lineage."""
+        for info in self.history(table):
+            if info.lineage is not None and info.lineage.commit_key == commit_key:
+                return info.snapshot_id
+        raise LookupError(f"table {table!r} has no version committed as {commit_key!r}")
 
     def lineage(self, table: str, version: int | str | None = None) -> Lineage | None:
         """The lineage of one version (latest when None); None if it was not written by a stage."""

@@ -12,6 +12,7 @@ Nothing here needs a device at import or construction time; the first command do
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import shlex
@@ -21,11 +22,14 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from trajforge.envs import actions
 from trajforge.envs.browser import Box, Element, EnvFault, Observation, format_box, png_size
-from trajforge.schemas.config import AndroidSettings
+from trajforge.schemas.config import AndroidSettings, AndroidTask
+from trajforge.schemas.ids import short_id
+from trajforge.schemas.records import Query
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -273,3 +277,27 @@ def check_probe(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, st
     if probe not in state:
         return False, f"no probe {probe!r} in the device state (rollout.android.probes)"
     return state[probe] == expected, f"{probe} = {state[probe]!r} (expected {expected!r})"
+
+
+def android_queries(tasks: list[AndroidTask], *, run_id: str) -> list[Query]:
+    """Queries from hand-written task templates (`query_gen.android_tasks`): a device has no page graph to
+    sample from; its tasks are written by hand, as AndroidWorld's are, each naming the activity it starts from
+    and the device state (a probe) that says it is done."""
+    now = datetime.now(timezone.utc)
+    return [
+        Query(
+            run_id=run_id,
+            query_id=short_id("android", t.start, t.instruction),
+            app="android",
+            source="imported",
+            instruction=t.instruction,
+            path=[t.start],
+            slots_json="{}",
+            checker="probe",
+            checker_params_json=json.dumps({"probe": t.probe, "value": t.value}),
+            max_steps=t.max_steps,
+            generator="android_tasks@1",
+            created_at=now,
+        )
+        for t in tasks
+    ]

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import threading
 from pathlib import Path
+from datetime import datetime, timezone
+from importlib.metadata import version
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from trajforge.envs.browser import BrowserEnv
+from trajforge.schemas.ids import short_id
+from trajforge.schemas.records import Query
 
 # Tasks that a pixel-level agent can do on one screen without timing tricks; the
 # default query set (30+ tasks of clicking, typing, choosing, forms and navigation).
@@ -124,3 +129,36 @@ def check_reward(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, s
     raw = state.get("raw_reward", 0)
     reason = f" ({state['reason']})" if state.get("reason") else ""
     return raw > 0, f"reward {raw:g}{reason}"
+
+
+def miniwob_queries(
+    tasks: list[str], seeds: list[int], *, run_id: str, max_steps: int, chromium: Path
+) -> list[Query]:
+    """One query per (task, seed); the instruction is the utterance that seed generates."""
+    check_tasks(tasks)
+    generator = f"miniwob@{version('miniwob')}"
+    now = datetime.now(timezone.utc)
+    rows: list[Query] = []
+    with MiniWoBServer() as server:
+        env = MiniWoBEnv(BrowserEnv(viewport="desktop", chromium=chromium))
+        try:
+            for task in tasks:
+                for seed in seeds:
+                    utterance = env.reset(f"{task}-{seed}", server.task_url(task, seed))
+                    rows.append(Query(
+                        run_id=run_id,
+                        query_id=short_id("miniwob", task, str(seed)),
+                        app="miniwob",
+                        source="miniwob",
+                        instruction=utterance,
+                        path=[task],
+                        slots_json=json.dumps({"seed": seed}),
+                        checker="reward",
+                        checker_params_json=json.dumps({"task": task, "seed": str(seed)}),
+                        max_steps=max_steps,
+                        generator=generator,
+                        created_at=now,
+                    ))
+        finally:
+            env.close()
+    return rows

@@ -23,8 +23,10 @@ from trajforge.data.catalog import CatalogError
 from trajforge.envs.spec import SpecError
 from trajforge.envs.miniwob import MiniWoBError
 from trajforge.schemas.config import ConfigError, Settings
-from trajforge.tasks.stages import STAGES
-from trajforge.tasks.workspace import Workspace
+from trajforge.flows.stages import stages
+from trajforge.llm.workspace import Workspace
+
+STAGES = stages()
 
 app = typer.Typer(help="trajforge: a self-evolving trajectory data factory for GUI agents.", no_args_is_help=True)
 datasets = typer.Typer(help="Inspect and tag dataset versions.", no_args_is_help=True)
@@ -92,7 +94,7 @@ def run(
     fresh: Annotated[bool, typer.Option(help="Start a new run even if an unfinished one can be resumed.")] = False,
 ) -> None:
     """Run the nightly pipeline, or rerun a single stage on a chosen input version."""
-    from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity
+    from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity, run_workspace
 
     if stage != "nightly" and stage not in STAGES:
         raise _fail(f"unknown stage {stage!r}; choose nightly or one of: {', '.join(STAGES)}")
@@ -125,7 +127,8 @@ def run(
     watcher = threading.Thread(target=_watch, args=(ws, run_.run_id, stop), daemon=True)
     watcher.start()
     try:
-        result = asyncio.run(call)
+        with run_workspace(run_.run_id, ws):  # the flows use this workspace: the config is loaded once
+            result = asyncio.run(call)
     finally:
         stop.set()
         watcher.join()
@@ -247,7 +250,7 @@ def eval_critics(
     """Each critic channel's verdicts against the programmatic ground truth: metrics, confusion, errors."""
     import json
 
-    from trajforge.critics.checkers import checker_for
+    from trajforge.critics.stage import checker_for
     from trajforge.critics.evaluate import load_judged, score
 
     _, ws = _open(config)

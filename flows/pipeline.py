@@ -7,7 +7,8 @@ about a second of heartbeat wait each (shared/FACTS.md).
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,33 +16,51 @@ from prefect import flow
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from trajforge.envs.apps import load_app
-from trajforge.envs.miniwob import check_tasks
+from trajforge.envs.kinds import configured_kinds
+from trajforge.flows.stages import stages
+from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings, load_settings
-from trajforge.tasks.prefect_tasks import shard_task
-from trajforge.tasks.runner import StageDef, commit, plan
+from trajforge.schemas.ids import digest
 from trajforge.synth.report import write_report
-from trajforge.tasks.stages import STAGES, run_tag
-from trajforge.tasks.workspace import Workspace
+from trajforge.tasks.prefect_tasks import shard_task
+from trajforge.tasks.runner import Stage, commit, plan
+
+STAGES = stages()
+
+_WORKSPACES: dict[str, Workspace] = {}
+"""Run id -> the run's open workspace. Prefect parameters must be plain values, so the stage flows of a run
+find the workspace its caller opened here, by run id, instead of loading the config and opening the catalog
+again; a flow started alone (a deployment, `trajforge run STAGE` in another process) opens its own."""
 
 
 def preflight(config: str | None) -> Settings:
-    """Everything that can be checked before work starts: the config and every app spec."""
+    """Everything that can be checked before work starts: the config, every app spec and MiniWoB++ task."""
     settings = load_settings(Path(config) if config else None)
-    for name in settings.query_gen.apps:
-        load_app(name)
-    if settings.query_gen.miniwob_tasks:
-        check_tasks(settings.query_gen.miniwob_tasks)
+    configured_kinds(settings)
     return settings
+
+
+@contextmanager
+def run_workspace(run_id: str, ws: Workspace) -> Iterator[Workspace]:
+    """Make `ws` the workspace of every flow of run `run_id` while the block runs."""
+    _WORKSPACES[run_id] = ws
+    try:
+        yield ws
+    finally:
+        _WORKSPACES.pop(run_id, None)
+
+
+def _workspace(run_id: str | None, config: str | None) -> Workspace:
+    ws = _WORKSPACES.get(run_id) if run_id is not None else None
+    return ws if ws is not None else Workspace.open(preflight(config))
 
 
 def run_identity(flow_name: str, settings: Settings, extra: str = "") -> str:
     """What a run does; an unfinished run with the same identity is resumed, not restarted."""
-    payload = settings.model_dump_json() + extra
-    return hashlib.sha256(f"{flow_name}:{payload}".encode()).hexdigest()[:32]
+    return digest(f"{flow_name}:{settings.model_dump_json()}{extra}", 32)
 
 
-async def _run_stage(stage: StageDef, ws: Workspace, run_id: str, input_snapshot: int | None) -> dict[str, int]:
+async def _run_stage(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> dict[str, int]:
     already = ws.ledger.committed(run_id, stage.name)
     if already is not None:
         return already
@@ -53,17 +72,16 @@ async def _run_stage(stage: StageDef, ws: Workspace, run_id: str, input_snapshot
     return commit(p, ws)
 
 
-def _stage_flow(stage: StageDef):
+def _stage_flow(stage: Stage):
     @flow(name=f"stage-{stage.name.replace('_', '-')}", log_prints=True)
     async def stage_flow(
         input_snapshot: int | None = None, run_id: str | None = None, config: str | None = None
     ) -> dict[str, int]:
         """Run one stage; without a run id it is a run of its own, resumed if it crashed."""
-        settings = preflight(config)
-        ws = Workspace.open(settings)
+        ws = _workspace(run_id, config)
         own_run = run_id is None
         if own_run:
-            run_id = ws.ledger.open_run(stage.name, run_identity(stage.name, settings, str(input_snapshot))).run_id
+            run_id = ws.ledger.open_run(stage.name, run_identity(stage.name, ws.settings, str(input_snapshot))).run_id
         snapshots = await _run_stage(stage, ws, run_id, input_snapshot)
         if own_run:
             ws.ledger.finish_run(run_id, {"snapshots": snapshots})
@@ -82,34 +100,22 @@ def _with_workers(stage: str, settings: Settings):
 
 @flow(name="nightly", log_prints=True)
 async def nightly(config: str | None = None, run_id: str | None = None) -> dict[str, Any]:
-    """Query generation, guidance for hard queries, rollouts, critics, history and the training export; then
+    """The stages of `flows.stages.NIGHTLY` in order, each on the version of its input this run made; then
     every new version tagged nightly-YYYY-MM-DD and the run's report written."""
-    settings = preflight(config)
-    ws = Workspace.open(settings)
+    ws = _workspace(run_id, config)
     if run_id is None:
-        run_id = ws.ledger.open_run("nightly", run_identity("nightly", settings)).run_id
-    run = ws.ledger.get_run(run_id)
+        run_id = ws.ledger.open_run("nightly", run_identity("nightly", ws.settings)).run_id
     snapshots: dict[str, int] = {}
-    snapshots |= await _with_workers("query_gen", settings)(run_id=run.run_id, config=config)
-    # The loop: guidance for the queries earlier runs failed, written before the rollouts that use it.
-    snapshots |= await _with_workers("guidance", settings)(
-        input_snapshot=snapshots["queries"], run_id=run.run_id, config=config
-    )
-    snapshots |= await _with_workers("rollout", settings)(
-        input_snapshot=snapshots["queries"], run_id=run.run_id, config=config
-    )
-    snapshots |= await _with_workers("critics", settings)(
-        input_snapshot=snapshots["episodes"], run_id=run.run_id, config=config
-    )
-    for stage in ("history", "export"):  # history rewrites queries: queries@latest then shows each query's record
-        snapshots |= await _with_workers(stage, settings)(
-            input_snapshot=snapshots["verdicts"], run_id=run.run_id, config=config
-        )
-    tag = run_tag(ws, run.run_id)
+    with run_workspace(run_id, ws):
+        for name, stage in STAGES.items():
+            input_snapshot = snapshots.get(stage.reads) if stage.reads is not None else None
+            snapshots |= await _with_workers(name, ws.settings)(input_snapshot=input_snapshot, run_id=run_id,
+                                                                config=config)
+    tag = ws.run_tag(run_id)
     for table, snapshot in snapshots.items():
         ws.catalog.tag(table, snapshot, tag)
-    report = write_report(ws, run.run_id, tag)
+    report = write_report(ws, run_id, tag)
     print(f"report: {report}")
-    summary = {"run_id": run.run_id, "tag": tag, "snapshots": snapshots, "report": str(report)}
-    ws.ledger.finish_run(run.run_id, summary)
+    summary = {"run_id": run_id, "tag": tag, "snapshots": snapshots, "report": str(report)}
+    ws.ledger.finish_run(run_id, summary)
     return summary

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from trajforge.critics.annotate import annotate
-from trajforge.critics.steps import short_id
+from trajforge.schemas.ids import short_id
 from trajforge.data.blobs import BlobStore
 from trajforge.llm import Gateway, ImagePart, load_prompt
 from trajforge.schemas.records import Guidance

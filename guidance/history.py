@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
 
-from trajforge.schemas.records import QueryAttempt, ReplayEntry
+from trajforge.critics.stage import EpisodeUnit, load_episodes
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.records import Episode, Query, QueryAttempt, ReplayEntry, Step
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 STEP_FIELDS = (
     "step_index", "action_type", "action_json", "thought", "target_role", "target_name", "target_box", "action_valid",
@@ -49,22 +51,117 @@ def hardness(attempts: list[tuple[datetime, bool]], *, window: int, below: float
     return Hardness(len(ordered), successes, rate, False, f"success rate {rate:.2f} over the last {len(recent)}")
 
 
-def attempt_row(episode: dict[str, Any], query: dict[str, Any], success: bool, *, run_id: str, iteration: int,
+def attempt_row(episode: Episode, query: Query, success: bool, *, run_id: str, iteration: int,
                 judged_at: datetime) -> QueryAttempt:
     """The history row of one judged episode."""
     return QueryAttempt(
-        run_id=run_id, episode_id=episode["episode_id"], query_id=query["query_id"], app=query["app"],
-        source=query["source"], iteration=iteration, policy=episode["policy"], model_id=episode["model_id"],
-        guidance_id=episode.get("guidance_id"), success=success, judged_at=judged_at,
+        run_id=run_id, episode_id=episode.episode_id, query_id=query.query_id, app=query.app,
+        source=query.source, iteration=iteration, policy=episode.policy, model_id=episode.model_id,
+        guidance_id=episode.guidance_id, success=success, judged_at=judged_at,
     )
 
 
-def buffer_entry(episode: dict[str, Any], steps: list[dict[str, Any]], *, run_id: str,
-                 origin: str = "rollout") -> ReplayEntry:
+def buffer_entry(episode: Episode, steps: list[Step], *, run_id: str, origin: str = "rollout") -> ReplayEntry:
     """A successful episode as a replay-buffer entry; its id is the episode's, so it is kept once."""
     return ReplayEntry(
-        run_id=run_id, entry_id=f"{origin}:{episode['episode_id']}", query_id=episode["query_id"], origin=origin,
-        episode_id=episode["episode_id"], instruction=episode["instruction"],
-        steps_json=json.dumps([{f: s.get(f) for f in STEP_FIELDS}
-                               for s in sorted(steps, key=lambda s: s["step_index"])]),
+        run_id=run_id, entry_id=f"{origin}:{episode.episode_id}", query_id=episode.query_id, origin=origin,
+        episode_id=episode.episode_id, instruction=episode.instruction,
+        steps_json=json.dumps([{f: d[f] for f in STEP_FIELDS}  # in STEP_FIELDS' order: the text is compared
+                               for d in (s.model_dump(mode="json") for s in sorted(steps, key=lambda s: s.step_index))]),
     )
+
+
+# ---------------------------------------------------------------- the stage: record the run's verdicts
+
+
+@dataclass(frozen=True)
+class JudgedEpisode:
+    """An episode with its steps and the critics' verdict."""
+
+    episode: Episode
+    steps: list[Step]
+    success: bool
+
+
+@dataclass(frozen=True)
+class HistoryUnit:
+    """A query of the rolled-out set: its record so far and this version's judged episodes not yet recorded."""
+
+    query: Query
+    prior_attempts: int
+    prior_successes: int
+    judged: list[JudgedEpisode]
+    already_recorded: int
+    """Judged episodes the history holds already: a rerun of the stage counts nothing twice."""
+
+
+def load_judged(ws: Workspace, snapshot: int | None) -> tuple[list[tuple[EpisodeUnit, bool]], dict[str, int], str]:
+    """The judged episodes of one verdicts version with their success, the snapshots read, and the run that judged."""
+    verdicts, snapshot = ws.catalog.rows_added("verdicts", snapshot)
+    lineage = ws.catalog.lineage("verdicts", snapshot)
+    if lineage is None:
+        raise LookupError(f"verdicts@{snapshot} has no lineage, so its episodes cannot be found")
+    episodes = load_episodes(ws, lineage.inputs["episodes"])
+    success = dict(verdicts.select("episode_id", "success").iter_rows())
+    judged = [(u, success[u.episode.episode_id]) for u in episodes.units if u.episode.episode_id in success]
+    return judged, episodes.snapshots | {"verdicts": snapshot}, f"{lineage.run_id}:{lineage.stage}"
+
+
+def load_history_units(ws: Workspace, snapshot: int | None) -> Inputs[HistoryUnit]:
+    """Per query of the rolled-out set: its earlier record and this version's judged episodes."""
+    judged, snapshots, _ = load_judged(ws, snapshot)
+    history, history_snapshot = ws.catalog.latest("query_history")
+    recorded = set(history["episode_id"])
+    prior: dict[str, list[int]] = {}
+    for query_id, ok in history.select("query_id", "success").iter_rows():
+        prior.setdefault(query_id, [0, 0])
+        prior[query_id][0] += 1
+        prior[query_id][1] += ok
+    units = []
+    for q in ws.catalog.load("queries", snapshots["queries"]).to_dicts():
+        mine = [(u, ok) for u, ok in judged if u.episode.query_id == q["query_id"]]
+        attempts, successes = prior.get(q["query_id"], [0, 0])
+        units.append(HistoryUnit(
+            query=Query.model_validate(q), prior_attempts=attempts, prior_successes=successes,
+            judged=[JudgedEpisode(u.episode, u.steps, ok) for u, ok in mine if u.episode.episode_id not in recorded],
+            already_recorded=sum(u.episode.episode_id in recorded for u, _ in mine),
+        ))
+    if history_snapshot is not None:
+        snapshots["query_history"] = history_snapshot
+    return Inputs(units=units, snapshots=snapshots)
+
+
+def record(units: list[HistoryUnit], *, run_id: str, iteration: int, judged_at: datetime) -> StageOutput:
+    """History rows, replay-buffer entries and the query set with accumulated attempts and successes."""
+    out = StageOutput(rows={"query_history": [], "replay_buffer": [], "queries": []})
+    for unit in units:
+        attempts, successes = unit.prior_attempts, unit.prior_successes
+        for j in unit.judged:
+            out.rows["query_history"].append(
+                attempt_row(j.episode, unit.query, j.success, run_id=run_id, iteration=iteration, judged_at=judged_at))
+            attempts, successes = attempts + 1, successes + j.success
+            if j.success:
+                out.rows["replay_buffer"].append(buffer_entry(j.episode, j.steps, run_id=run_id))
+        if unit.already_recorded:
+            out.dropped["episode already in query_history (a rerun of the stage)"] += unit.already_recorded
+        elif not unit.judged:
+            out.stats["queries with no judged episode (env faults only)"] += 1
+        out.rows["queries"].append(
+            unit.query.model_copy(update={"run_id": run_id, "attempts": attempts, "successes": successes}))
+    return out
+
+
+def run_history(units: list[HistoryUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
+    return record(units, run_id=run_id, iteration=ws.settings.loop.iteration, judged_at=datetime.now(UTC))
+
+
+STAGE = StageDef[Workspace, HistoryUnit](
+    name="history",
+    key=lambda u: u.query.query_id,
+    reads="verdicts",
+    writes={"query_history": "append", "replay_buffer": "append", "queries": "overwrite"},
+    sections=("loop",),
+    load=load_history_units,
+    run=run_history,
+    shard_size=lambda s: 500,
+)

@@ -1,31 +1,47 @@
-"""The loop's two stages over rows, no Prefect: `guide` before rollouts, `record` after critics.
+"""The guidance stage, before rollouts (paper 2.2.1): guidance for the queries the model keeps failing.
 
 `guide` takes the hard queries (chosen from the per-query history), finds reference
 trajectories for each (the replay buffer's successes, human demonstrations, or the
-query's reference path replayed in its app now), and writes guidance rows. `record`
-turns the run's verdicts into per-query history rows, keeps successful trajectories in
-the replay buffer, and rewrites the query set with attempts and successes accumulated
-across runs, so `queries@latest` shows each query's record.
+query's reference path replayed in its app now), and writes guidance rows. Its partner
+after the critics, `record` (guidance/history.py), turns the run's verdicts into the
+per-query history that decides which queries are hard.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from trajforge.critics.steps import short_id
+from trajforge.schemas.ids import short_id
 from trajforge.guidance.distill import Describer, guidance_row
-from trajforge.guidance.history import STEP_FIELDS, attempt_row, buffer_entry
-from trajforge.schemas.records import Query, ReplayEntry
-from trajforge.schemas.stage import StageOutput
+from trajforge.guidance.history import STEP_FIELDS, buffer_entry, hardness
+from trajforge.envs.kinds import kind_for
+from trajforge.llm.workspace import Workspace
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.ids import digest
+from trajforge.schemas.records import Episode, Query, ReplayEntry, Step
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 # (queries) -> [(episode, steps, success)]: each query's reference path run in its app, and its checker's answer.
-Replayer = Callable[[list[dict[str, Any]]], list[tuple[dict[str, Any], list[dict[str, Any]], bool]]]
+Replayer = Callable[[list[Query]], list[tuple[Episode, list[Step], bool]]]
+
+
+@dataclass
+class HardQuery:
+    """A hard query of the input version, with its references (replay-buffer rows; a demonstration not yet in
+    the buffer has `new: True`)."""
+
+    query: Query
+    hard_reason: str
+    selected: bool
+    """False: hard, but over `loop.max_guided` this run."""
+    references: list[dict[str, Any]]
 
 
 class DemoStep(BaseModel):
@@ -73,40 +89,36 @@ def load_demonstrations(path: Path) -> list[dict[str, Any]]:
     return entries
 
 
-def guide(units: list[dict[str, Any]], *, run_id: str, describer: Describer, replay: Replayer | None,
+def guide(units: list[HardQuery], *, run_id: str, describer: Describer, replay: Replayer | None,
           max_steps: int) -> StageOutput:
-    """Guidance for the hard queries of the shard.
-
-    Each unit is a query's columns plus `hard_reason`, `selected` (False: hard, but over
-    the per-run limit) and `references` (replay-buffer entries as dicts). A selected
-    query without references gets its reference path replayed when `replay` is given.
-    """
+    """Guidance for the hard queries of the shard; a selected query without references gets its reference path
+    replayed when `replay` is given."""
     out = StageOutput(rows={"guidance": [], "replay_buffer": []}, prompts={})
     todo = []
     for unit in units:
-        if not unit["selected"]:
+        if not unit.selected:
             out.dropped["hard, but over loop.max_guided this run"] += 1
         else:
             todo.append(unit)
     for unit in todo:  # demonstrations seen for the first time join the replay buffer
-        for ref in unit["references"]:
+        for ref in unit.references:
             if ref.pop("new", False):
                 out.rows["replay_buffer"].append(ReplayEntry(**ref | {"run_id": run_id}))
-    missing = [u for u in todo if not u["references"]]
+    missing = [u for u in todo if not u.references]
     if missing and replay is not None:
-        for episode, steps, success in replay([_query(u) for u in missing]):
+        for episode, steps, success in replay([u.query for u in missing]):
             if not success:
                 out.dropped["reference path replayed but the checker says it failed"] += 1
                 continue
             entry = buffer_entry(episode, steps, run_id=run_id, origin="replay")
             out.rows["replay_buffer"].append(entry)
-            next(u for u in missing if u["query_id"] == episode["query_id"])["references"].append(entry.model_dump())
+            next(u for u in missing if u.query.query_id == episode.query_id).references.append(entry.model_dump())
     for unit in todo:
-        if not unit["references"]:
+        if not unit.references:
             out.dropped["no reference trajectory (none in the replay buffer, none replayed or demonstrated)"] += 1
             continue
-        refs = [(r["entry_id"], json.loads(r["steps_json"])) for r in unit["references"]]
-        row, distilled = guidance_row(_query(unit), refs, unit["hard_reason"], describer, run_id=run_id,
+        refs = [(r["entry_id"], json.loads(r["steps_json"])) for r in unit.references]
+        row, distilled = guidance_row(unit.query.model_dump(), refs, unit.hard_reason, describer, run_id=run_id,
                                       max_steps=max_steps)
         out.stats.update(distilled.stats)
         out.stats["reference steps kept"] += sum(o["kept"] for o in distilled.outcomes)
@@ -124,30 +136,68 @@ def guide(units: list[dict[str, Any]], *, run_id: str, describer: Describer, rep
     return out
 
 
-def _query(unit: dict[str, Any]) -> dict[str, Any]:
-    return {k: unit[k] for k in Query.model_fields}
+# ---------------------------------------------------------------- the stage
 
 
-def record(units: list[dict[str, Any]], *, run_id: str, iteration: int, judged_at: datetime) -> StageOutput:
-    """History rows, replay-buffer entries and the query set with accumulated attempts and successes.
+def load_hard_queries(ws: Workspace, snapshot: int | None) -> Inputs[HardQuery]:
+    """The version's hard queries with their references, the worst `loop.max_guided` of them selected."""
+    queries, snapshot = ws.catalog.rows_added("queries", snapshot)
+    history, history_snapshot = ws.catalog.latest("query_history")
+    buffer, buffer_snapshot = ws.catalog.latest("replay_buffer")
+    loop, cfg = ws.settings.loop, ws.settings.guidance
+    demos = load_demonstrations(cfg.demonstrations) if cfg.demonstrations else []
+    known = set(buffer["entry_id"])
+    attempts: dict[str, list[tuple[Any, bool]]] = {}
+    for row in history.select("query_id", "judged_at", "success").iter_rows():
+        attempts.setdefault(row[0], []).append((row[1], row[2]))
+    hard = []
+    for q in queries.to_dicts():
+        h = hardness(attempts.get(q["query_id"], []), window=loop.window, below=loop.hard_below)
+        if h.hard:
+            refs = buffer.filter(pl.col("query_id") == q["query_id"]).sort("run_id", descending=True).head(2).to_dicts()
+            refs += [d | {"new": d["entry_id"] not in known} for d in demos if d["query_id"] == q["query_id"]]
+            hard.append((h.recent_rate, -h.attempts, q["query_id"], Query.model_validate(q), h.reason, refs))
+    hard.sort(key=lambda t: t[:3])
+    units = [HardQuery(query, reason, i < loop.max_guided, refs)
+             for i, (_, _, _, query, reason, refs) in enumerate(hard)]
+    snapshots = {"queries": snapshot} | {
+        t: s for t, s in (("query_history", history_snapshot), ("replay_buffer", buffer_snapshot)) if s is not None}
+    demo_hash = digest(cfg.demonstrations.read_bytes()) if cfg.demonstrations else ""
+    return Inputs(units=units, snapshots=snapshots, fingerprint=demo_hash)
 
-    Each unit is a query's columns plus `prior` ([attempts, successes] so far), `judged`
-    ([{episode, steps, success}] of the judged episodes not yet recorded) and
-    `already_recorded` (judged episodes the history holds already: a rerun counts nothing twice).
-    """
-    out = StageOutput(rows={"query_history": [], "replay_buffer": [], "queries": []})
-    for unit in units:
-        query = _query(unit)
-        attempts, successes = unit["prior"]
-        for j in unit["judged"]:
-            out.rows["query_history"].append(
-                attempt_row(j["episode"], query, j["success"], run_id=run_id, iteration=iteration, judged_at=judged_at))
-            attempts, successes = attempts + 1, successes + j["success"]
-            if j["success"]:
-                out.rows["replay_buffer"].append(buffer_entry(j["episode"], j["steps"], run_id=run_id))
-        if unit["already_recorded"]:
-            out.dropped["episode already in query_history (a rerun of the stage)"] += unit["already_recorded"]
-        elif not unit["judged"]:
-            out.stats["queries with no judged episode (env faults only)"] += 1
-        out.rows["queries"].append(Query(**query | {"run_id": run_id, "attempts": attempts, "successes": successes}))
-    return out
+
+def run_guidance(units: list[HardQuery], ws: Workspace, run_id: str, _: str) -> StageOutput:
+    cfg = ws.settings.guidance
+
+    def replay(queries: list[Query]) -> list[tuple[Episode, list[Step], bool]]:
+        """Each query's reference path replayed in its app now, with its checker's answer."""
+        settings = ws.settings.rollout.model_copy(update={"policy": "replay"})
+        out = rollout(queries, run_id=f"{run_id}-reference", settings=settings, blobs=ws.blobs)
+        steps: dict[str, list[Step]] = {}
+        for step in out.rows["steps"]:
+            steps.setdefault(step.episode_id, []).append(step)
+        by_id = {q.query_id: q for q in queries}
+        results = []
+        for episode in out.rows["episodes"]:
+            if episode.status == "env_fault":
+                continue
+            q = by_id[episode.query_id]
+            ok, _ = kind_for(q.app).check(q.checker, json.loads(q.checker_params_json),
+                                          json.loads(episode.final_state_json))
+            results.append((episode, steps.get(episode.episode_id, []), ok))
+        return results
+
+    describer = Describer(ws.gateway if cfg.describer == "model" else None, ws.blobs, cfg.model)
+    return guide(units, run_id=run_id, describer=describer, replay=replay, max_steps=cfg.max_reference_steps)
+
+
+STAGE = StageDef[Workspace, HardQuery](
+    name="guidance",
+    key=lambda u: u.query.query_id,
+    reads="queries",
+    writes={"guidance": "append", "replay_buffer": "append"},
+    sections=("guidance", "loop", "rollout", "llm"),
+    load=load_hard_queries,
+    run=run_guidance,
+    shard_size=lambda s: 4,
+)

@@ -17,7 +17,6 @@ right-click or drag (query_gen.operations.SPACE_OPS), so it gets none of those.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
@@ -30,6 +29,7 @@ from datetime import datetime
 
 from playwright.sync_api import Error as PlaywrightError
 
+from trajforge.schemas.ids import digest
 from trajforge.envs.spec import AppSpec, placeholders
 from trajforge.envs.operations import SPACE_OPS, OpKind, Operation, dump_operations
 from trajforge.envs.apps import INTERACTION_CHECKER, BundledApp
@@ -176,7 +176,7 @@ def instruction(route: Route, op: Operation) -> str:
 def query_id(app: str, route: Route, op: Operation) -> str:
     """Deterministic: the same operation on the same page is the same query, run after run."""
     payload = json.dumps([app, route.path, dict(route.slots), op.model_dump(exclude_none=True)], sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return digest(payload)
 
 
 def _scrolls(box: Box, height: int) -> int:

@@ -31,6 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from trajforge.schemas.ids import digest
 from trajforge.llm import Gateway, Prompt, Sampling, load_prompt
 from trajforge.envs.operations import Operation, dump_operations
 from trajforge.envs.apps import AppServer, BundledApp
@@ -322,7 +323,7 @@ class DeepSearchQueries:
 
 def query_id_for(app: str, actions_json: str) -> str:
     """Deterministic: the same app and operations always give the same id, whatever wrote the command."""
-    return hashlib.sha256(json.dumps([app, "deep_search", actions_json]).encode()).hexdigest()[:16]
+    return digest(json.dumps([app, "deep_search", actions_json]))
 
 
 def pathway_queries(app: str, start_page: str, result: SearchResult, *, run_id: str, app_title: str,

@@ -7,7 +7,6 @@ of repeating its shortest route.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections import Counter
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from trajforge.schemas.ids import digest
 from trajforge.envs.spec import AppSpec, placeholders
 
 TEMPLATE_GENERATOR = "template@1"
@@ -35,7 +35,7 @@ class SampledTask:
     @property
     def query_id(self) -> str:
         payload = json.dumps([self.app, self.path, self.slots, self.instruction])
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+        return digest(payload)
 
 
 def _slots_used(spec: AppSpec, path: list[str]) -> set[str]:

@@ -16,6 +16,7 @@ import json
 import logging
 import random
 from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -31,7 +32,10 @@ from trajforge.envs.apps import AppServer, BundledApp
 from trajforge.envs.browser import BrowserEnv
 from trajforge.schemas.config import QueryGenSettings
 from trajforge.schemas.records import Query
-from trajforge.schemas.stage import StageOutput
+from trajforge.envs.kinds import configured_kinds, kind_for
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.ids import digest
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -161,3 +165,47 @@ def _live_queries(app: BundledApp, settings: QueryGenSettings, commander: Comman
         out.models.update(searched.models)
         out.prompts.update(searched.prompts)
     return found
+
+
+# ---------------------------------------------------------------- the stage
+
+
+@dataclass(frozen=True)
+class AppUnit:
+    """One app kind to make queries for: a bundled app by name, or a task suite ("miniwob", "android")."""
+
+    app: str
+
+
+def load_apps(ws: Workspace, _: int | None) -> Inputs[AppUnit]:
+    """The configured apps; their specs' content is part of the config hash, so an edited spec is new work."""
+    kinds = configured_kinds(ws.settings)
+    fingerprint = digest("".join(k.spec.model_dump_json() for k in kinds if k.spec is not None))
+    return Inputs(units=[AppUnit(k.name) for k in kinds], fingerprint=fingerprint)
+
+
+def run_query_gen(units: list[AppUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
+    """Page-graph, atomic and deep-search queries for the web apps; the suites' own tasks for the others."""
+    cfg = ws.settings.query_gen
+    kinds = [kind_for(u.app) for u in units]
+    out = generate_queries(
+        [k.app for k in kinds if k.app is not None], run_id=run_id, settings=cfg,
+        gateway=ws.gateway if cfg.instructions == "model" else None, chromium=ws.settings.rollout.chromium,
+        viewport=ws.settings.rollout.viewport,
+    )
+    for kind in kinds:
+        out.rows["queries"].extend(kind.tasks(ws.settings, run_id=run_id))
+        out.models.update(kind.task_source())
+    return out
+
+
+STAGE = StageDef[Workspace, AppUnit](
+    name="query_gen",
+    key=lambda u: u.app,
+    reads=None,
+    writes={"queries": "overwrite"},
+    sections=("query_gen", "llm"),
+    load=load_apps,
+    run=run_query_gen,
+    shard_size=lambda s: 1,
+)

@@ -13,31 +13,30 @@ same ids and the catalog can tell a redone shard from new work.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from contextlib import ExitStack
 from typing import Any
 
-from trajforge.query_gen.android import ANDROID
-from trajforge.envs.android import DevicePool
-from trajforge.envs.apps import AppServer, BundledApp, UnknownAppError, load_app
+import polars as pl
+
 from trajforge.envs.browser import BrowserEnv
-from trajforge.rollout.episode import BlobSink, run_episode
+from trajforge.envs.kinds import AppKind, kind_for
 from trajforge.envs.pool import EnvPool
+from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
+from trajforge.llm.workspace import Workspace
+from trajforge.rollout.episode import BlobSink, run_episode
 from trajforge.rollout.gui_owl import GuiOwlPolicy
 from trajforge.rollout.mobile_agent import MobileAgentPolicy
-from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer
 from trajforge.rollout.policy import Policy
 from trajforge.rollout.random_policy import RandomPolicy
 from trajforge.rollout.replay import ReplayPolicy
+from trajforge.envs.apps import UnknownAppError
 from trajforge.schemas.config import RolloutSettings
+from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Episode, Query, Step
-from trajforge.schemas.stage import StageOutput
-
-
-MINIWOB = "miniwob"  # queries from the MiniWoB++ suite (query_gen.miniwob_tasks), not a bundled app
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 
 def episode_id_for(run_id: str, query_id: str, attempt: int = 1) -> str:
@@ -46,18 +45,19 @@ def episode_id_for(run_id: str, query_id: str, attempt: int = 1) -> str:
     The first attempt keeps the id episodes had before reruns existed.
     """
     key = f"{run_id}\x00{query_id}" + (f"\x00{attempt}" if attempt > 1 else "")
-    return hashlib.sha256(key.encode()).hexdigest()[:24]
+    return digest(key, 24)
 
 
-def make_policy(settings: RolloutSettings, app: BundledApp | None, gateway: Gateway | None,
+def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gateway | None,
                 guidance: dict[str, str] | None = None) -> Policy:
-    """The configured policy for one app's queries (app None: MiniWoB++); model-driven ones need the gateway.
+    """The configured policy for one app's queries (`spec`: its page graph, if it has one); model-driven ones
+    need the gateway.
 
     `guidance` (query id -> text) goes into the end-to-end policy's prompt; the other policies do not read it.
     """
     if settings.policy == "replay":
-        assert app is not None, "replay needs a bundled app's page graph"
-        return ReplayPolicy(app.spec)
+        assert spec is not None, "replay needs the app's page graph"
+        return ReplayPolicy(spec)
     if settings.policy == "random":
         return RandomPolicy(settings.random_seed)
     if gateway is None:
@@ -82,29 +82,22 @@ def rollout(queries: list[dict[str, Any]], *, run_id: str, settings: RolloutSett
     """
     output = StageOutput(rows={"episodes": [], "steps": []}, models={"policy": settings.policy}, prompts={})
     parsed = [q if isinstance(q, Query) else Query.model_validate(q) for q in queries]
-    apps: dict[str, BundledApp] = {}
+    kinds: dict[str, AppKind] = {}
     runnable: list[Query] = []
-    on_devices: list[Query] = []
     for q in parsed:
-        if q.app in (MINIWOB, ANDROID) and settings.policy == "replay":
-            output.dropped[f"{q.app} query: the replay policy has no reference path"] += 1
-            continue
-        if q.app == MINIWOB:
-            runnable.append(q)
-            continue
-        if q.app == ANDROID:
-            if settings.android.devices:
-                on_devices.append(q)
-            else:
-                output.dropped["android query: no device configured (rollout.android.devices)"] += 1
-            continue
-        if q.app not in apps:
+        if q.app not in kinds:
             try:
-                apps[q.app] = load_app(q.app)
+                kinds[q.app] = kind_for(q.app)
             except UnknownAppError:
                 output.dropped[f"no bundled app {q.app!r}"] += 1
                 continue
-        runnable.append(q)
+        kind = kinds[q.app]
+        if kind.spec is None and settings.policy == "replay":
+            output.dropped[f"{q.app} query: the replay policy has no reference path"] += 1
+        elif (reason := kind.unavailable(settings)) is not None:
+            output.dropped[f"{q.app} query: {reason}"] += 1
+        else:
+            runnable.append(q)
 
     guidance = guidance or {}
     texts = {query_id: text for query_id, (_, text) in guidance.items()}
@@ -114,7 +107,7 @@ def rollout(queries: list[dict[str, Any]], *, run_id: str, settings: RolloutSett
         runs = []
         for attempt in range(1, settings.max_fault_retries + 2):
             runs.append(run_episode(
-                env, make_policy(settings, apps.get(q.app), gateway, texts), q, run_id=run_id,
+                env, make_policy(settings, kinds[q.app].spec, gateway, texts), q, run_id=run_id,
                 episode_id=episode_id_for(run_id, q.query_id, attempt), attempt=attempt,
                 blobs=blobs, max_steps=q.max_steps, start_url=start_url,
                 max_invalid=settings.max_invalid_actions,
@@ -124,10 +117,11 @@ def rollout(queries: list[dict[str, Any]], *, run_id: str, settings: RolloutSett
         return runs
 
     results: list[list[tuple[Episode, list[Step]]]] = []
-    if on_devices:
-        results += DevicePool(settings.android).map(lambda env, q: attempts(env, q, q.path[0]), on_devices)
-    if runnable:
-        results += _in_browser(runnable, apps, settings, attempts)
+    for kind in kinds.values():
+        if not kind.in_browser and (mine := [q for q in runnable if q.app == kind.name]):
+            results += kind.on_devices(settings, attempts, mine)
+    if in_browser := [q for q in runnable if kinds[q.app].in_browser]:
+        results += _in_browser(in_browser, kinds, settings, attempts)
     for runs in results:
         for episode, steps in runs:
             last = episode is runs[-1][0]
@@ -149,25 +143,82 @@ def rollout(queries: list[dict[str, Any]], *, run_id: str, settings: RolloutSett
     return output
 
 
-def _in_browser(queries: list[Query], apps: dict[str, BundledApp], settings: RolloutSettings,
+def _in_browser(queries: list[Query], kinds: dict[str, AppKind], settings: RolloutSettings,
                 attempts: Callable[[Any, Query, str], list[tuple[Episode, list[Step]]]]
                 ) -> list[list[tuple[Episode, list[Step]]]]:
-    """Bundled-app and MiniWoB++ queries on the browser pool, their servers up meanwhile."""
+    """The browser kinds' queries on the browser pool, their apps served meanwhile."""
     with ExitStack() as stack:
-        servers = {name: stack.enter_context(AppServer(app)) for name, app in apps.items()}
-        start_urls = {name: servers[name].base_url + app.spec.pages[app.spec.start].url
-                      for name, app in apps.items()}
-        miniwob = stack.enter_context(MiniWoBServer()) if any(q.app == MINIWOB for q in queries) else None
+        sites = {name: kinds[name].serve(stack) for name in sorted({q.app for q in queries})}
+        launchers = {name: url for site in sites.values() for name, url in site.launchers.items()}
         pool = stack.enter_context(EnvPool(
             settings.contexts, viewport=settings.viewport, chromium=settings.chromium,
-            action_timeout_s=settings.action_timeout_s,
-            apps={apps[n].spec.title: u for n, u in start_urls.items()} | start_urls,
+            action_timeout_s=settings.action_timeout_s, apps=launchers,
         ))
 
         def run(env: BrowserEnv, q: Query) -> list[tuple[Episode, list[Step]]]:
-            if q.app == MINIWOB:
-                assert miniwob is not None
-                return attempts(MiniWoBEnv(env), q, miniwob.task_url(q.path[0], int(json.loads(q.slots_json)["seed"])))
-            return attempts(env, q, start_urls[q.app])
+            site = sites[q.app]
+            return attempts(site.wrap(env), q, site.start_url(q))
 
         return pool.map(run, queries)
+
+
+# ---------------------------------------------------------------- the stage
+
+
+@dataclass(frozen=True)
+class GuidanceRef:
+    """The guidance a run wrote for a hard query, handed to its rollout's prompt."""
+
+    guidance_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class RolloutUnit:
+    """One query to roll out, with the guidance this run wrote for it (None: unguided)."""
+
+    query: Query
+    guidance: GuidanceRef | None = None
+
+
+def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
+    """The queries of one version, each with the guidance its run wrote for it."""
+    frame, snapshot = ws.catalog.rows_added("queries", snapshot)
+    snapshots = {"queries": snapshot}
+    guidance: dict[str, GuidanceRef] = {}
+    lineage = ws.catalog.lineage("queries", snapshot)
+    _, guidance_snapshot = ws.catalog.resolve("guidance@latest")
+    if lineage is not None and guidance_snapshot is not None:
+        rows = ws.catalog.load("guidance", guidance_snapshot).filter(pl.col("run_id") == lineage.run_id)
+        guidance = {r["query_id"]: GuidanceRef(r["guidance_id"], r["text"])
+                    for r in rows.select("query_id", "guidance_id", "text").to_dicts()}
+        if guidance:
+            snapshots["guidance"] = guidance_snapshot
+    units = [RolloutUnit(Query.model_validate(q), guidance.get(q["query_id"])) for q in frame.to_dicts()]
+    return Inputs(units=units, snapshots=snapshots)
+
+
+def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
+    """Rollouts by the configured model iteration's model, guided where the run wrote guidance."""
+    settings = ws.settings.rollout
+    iteration_model = ws.settings.loop.models.get(ws.settings.loop.iteration)
+    if iteration_model is not None:
+        settings = settings.model_copy(update={"model": iteration_model})
+    guidance = {u.query.query_id: (u.guidance.guidance_id, u.guidance.text) for u in units if u.guidance}
+    out = rollout([u.query for u in units], run_id=run_id, settings=settings, blobs=ws.blobs, gateway=ws.gateway,
+                  guidance=guidance)
+    out.stats[f"model iteration {ws.settings.loop.iteration}"] += len(out.rows["episodes"])
+    return out
+
+
+STAGE = StageDef[Workspace, RolloutUnit](
+    name="rollout",
+    key=lambda u: u.query.query_id,
+    reads="queries",
+    writes={"episodes": "append", "steps": "append"},
+    sections=("rollout", "loop", "llm"),
+    load=load_queries,
+    run=run_rollouts,
+    shard_size=lambda s: s.rollout.episodes_per_shard,
+    # One shard at a time: each shard runs `rollout.contexts` browser contexts itself.
+)

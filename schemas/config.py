@@ -7,7 +7,6 @@ and the field: a typo in a nightly config must not silently run the defaults.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import typing
@@ -17,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from trajforge.schemas.ids import digest
 
 ENV_PREFIX = "TRAJFORGE_"
 # Variables with the prefix that are read elsewhere, not settings.
@@ -330,7 +331,7 @@ class Settings(BaseSettings):
     def section_hash(self, *sections: str) -> str:
         """A short hash of the named sections, secrets masked, for lineage and resume keys."""
         payload = {s: getattr(self, s).model_dump(mode="json") for s in sections}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+        return digest(json.dumps(payload, sort_keys=True))
 
 
 def _is_setting(env_name: str) -> bool:

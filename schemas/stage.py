@@ -1,12 +1,39 @@
-"""What a stage function returns for one shard of work."""
+"""The stage contract: what a stage declares, what it is given and what it returns.
+
+A stage is declared next to its code, in its own room, as `STAGE = StageDef(...)`; the
+runner (`tasks/`) runs it shard by shard and the flows (`flows/`) order the stages. The
+contract lives here, in the bottom room, so that a room declares its stage without
+importing the runner above it. The workspace a stage is handed (catalog, blobs, ledger,
+model gateway and the validated settings, opened once per run) is
+`trajforge.llm.workspace.Workspace`; this room cannot name it, so `StageDef` takes its
+type as a parameter, and each declaration names it.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar
 
+from trajforge.schemas.config import Settings
 from trajforge.schemas.records import Record
+
+WriteMode = Literal["append", "overwrite"]
+"""`append`: the table accumulates across runs; `overwrite`: each run replaces it (older versions stay readable)."""
+
+U = TypeVar("U")  # a stage's unit of work: a typed record (a dataclass or pydantic model), never a dict
+W = TypeVar("W")  # the run's workspace
+
+
+@dataclass
+class Inputs(Generic[U]):
+    """A stage's units of work and the snapshots they came from."""
+
+    units: list[U]
+    snapshots: dict[str, int] = field(default_factory=dict)
+    fingerprint: str = ""
+    """What else the output depends on (e.g. app spec files, a demonstrations file), for the config hash."""
 
 
 @dataclass
@@ -20,3 +47,27 @@ class StageOutput:
     """Counts that are not drops (coverage, fallbacks, what could not be checked); summed over shards."""
     models: dict[str, str] = field(default_factory=dict)
     prompts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageDef(Generic[W, U]):
+    """One stage: what it reads and writes, how its work is split, and the two functions that do it.
+
+    `load(ws, snapshot)` turns the input version (None: the table's latest) into typed units;
+    `run(units, ws, run_id, config_hash)` does one shard's units and returns its rows. Both are
+    plain functions: the same ones serve the nightly flow, `trajforge run STAGE` and the tests.
+    """
+
+    name: str
+    key: Callable[[U], str]
+    """A unit's identity: shards are runs of units sorted by it, and a shard's id is a hash of its keys."""
+    reads: str | None
+    """The table whose version `--input` names; None for a source stage."""
+    writes: dict[str, WriteMode]
+    sections: tuple[str, ...]
+    """Config sections the output depends on ("llm" where a model may act: a new model is new work)."""
+    load: Callable[[W, int | None], Inputs[U]]
+    run: Callable[[list[U], W, str, str], StageOutput]
+    shard_size: Callable[[Settings], int]
+    workers: Callable[[Settings], int] = lambda s: 1
+    """Shards run at once (Prefect's thread task runner)."""

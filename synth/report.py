@@ -12,7 +12,7 @@ from pathlib import Path
 import polars as pl
 
 from trajforge.guidance.history import hardness
-from trajforge.tasks.workspace import Workspace
+from trajforge.llm.workspace import Workspace
 
 
 def _rate(successes: int, attempts: int) -> str:

@@ -10,7 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from trajforge.tasks.runner import Shard, StagePlan, run_shard
-from trajforge.tasks.workspace import Workspace
+from trajforge.llm.workspace import Workspace
 
 
 @task(name="shard", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)

@@ -9,54 +9,29 @@ every row lands exactly once.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
-
+from dataclasses import dataclass
+from typing import Any
 
 from trajforge.data.catalog import Lineage, write_parquet_atomic
-from trajforge.schemas.config import Settings
-from trajforge.schemas.stage import StageOutput
+from trajforge.data.ledger import ShardRecord
+from trajforge.llm.workspace import Workspace, code_version
+from trajforge.schemas.ids import digest
+from trajforge.schemas.stage import Inputs, StageDef
 from trajforge.schemas.tables import to_arrow
-from trajforge.tasks.ledger import ShardRecord
-from trajforge.tasks.workspace import Workspace, code_version
 
-WriteMode = Literal["append", "overwrite"]
-
-
-@dataclass
-class Inputs:
-    """A stage's units of work and the snapshots they came from."""
-
-    units: list[dict[str, Any]]
-    snapshots: dict[str, int] = field(default_factory=dict)
-    fingerprint: str = ""  # what else the output depends on (e.g. app spec files), for the config hash
-
-
-@dataclass(frozen=True)
-class StageDef:
-    name: str
-    key: str  # the column that identifies a unit of work; shards are made of sorted keys
-    reads: str | None  # the table whose version `--input` names; None for a source stage
-    writes: dict[str, WriteMode]
-    sections: tuple[str, ...]  # config sections the stage depends on ("llm" where a model may act: a new model is new work)
-    load: Callable[[Workspace, int | None], Inputs]
-    run: Callable[[list[dict[str, Any]], Workspace, str, str], StageOutput]  # (units, ws, run_id, config_hash)
-    shard_size: Callable[[Settings], int]
-    workers: Callable[[Settings], int] = lambda s: 1
+Stage = StageDef[Workspace, Any]
 
 
 @dataclass
 class Shard:
     shard_id: str
-    units: list[dict[str, Any]]
+    units: list[Any]
 
 
 @dataclass
 class StagePlan:
-    stage: StageDef
+    stage: Stage
     run_id: str
     inputs: dict[str, int]
     config_hash: str
@@ -64,28 +39,26 @@ class StagePlan:
     total: int
 
 
-def config_hash(stage: StageDef, settings: Settings, inputs: Inputs) -> str:
-    digest = hashlib.sha256(f"{settings.section_hash(*stage.sections)}:{inputs.fingerprint}".encode())
-    return digest.hexdigest()[:16]
+def config_hash(stage: Stage, ws: Workspace, inputs: Inputs[Any]) -> str:
+    return digest(f"{ws.settings.section_hash(*stage.sections)}:{inputs.fingerprint}")
 
 
-def plan(stage: StageDef, ws: Workspace, run_id: str, input_snapshot: int | None) -> StagePlan:
+def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> StagePlan:
     """Load the stage's inputs and list the shards this run has not finished yet."""
     inputs = stage.load(ws, input_snapshot)
-    units = sorted(inputs.units, key=lambda u: u[stage.key])
+    units = sorted(inputs.units, key=stage.key)
     size = stage.shard_size(ws.settings)
     shards = []
     for start in range(0, len(units), size):
         chunk = units[start : start + size]
-        shard_id = hashlib.sha256("\n".join(u[stage.key] for u in chunk).encode()).hexdigest()[:16]
-        shards.append(Shard(shard_id, chunk))
+        shards.append(Shard(digest("\n".join(stage.key(u) for u in chunk)), chunk))
     ws.ledger.plan_stage(run_id, stage.name, len(shards))
     done = {r.shard_id for r in ws.ledger.shards_done(run_id, stage.name)}
     return StagePlan(
         stage=stage,
         run_id=run_id,
         inputs=inputs.snapshots,
-        config_hash=config_hash(stage, ws.settings, inputs),
+        config_hash=config_hash(stage, ws, inputs),
         pending=[s for s in shards if s.shard_id not in done],
         total=len(shards),
     )

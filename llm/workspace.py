@@ -1,4 +1,9 @@
-"""Everything a stage touches, opened once from the settings."""
+"""Everything a stage touches, opened once per run from the validated settings.
+
+The workspace lives here, in the lowest room that sees both the storage (`data`: the
+catalog, the screenshot blobs, the run ledger) and the models (`llm`: the gateway), so
+every stage's room can name it and none has to import the runner.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,9 @@ from pathlib import Path
 
 from trajforge.data.blobs import BlobStore
 from trajforge.data.catalog import Catalog
+from trajforge.data.ledger import Ledger
 from trajforge.llm import Gateway
 from trajforge.schemas.config import Settings
-from trajforge.tasks.ledger import Ledger
 
 
 @functools.cache
@@ -47,3 +52,8 @@ class Workspace:
     def open(cls, settings: Settings) -> Workspace:
         catalog = Catalog.from_settings(settings.warehouse)
         return cls(settings, catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri))
+
+    def run_tag(self, run_id: str) -> str:
+        """The tag a run's versions get: nightly-YYYY-MM-DD for a nightly run, else the run id."""
+        run = self.ledger.get_run(run_id)
+        return f"nightly-{run.started_at:%Y-%m-%d}" if run.flow == "nightly" else run_id

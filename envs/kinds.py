@@ -1,0 +1,163 @@
+"""The app kinds behind one interface: each knows its tasks, its environment and its checker.
+
+A query names its app; `kind_for(name)` is the one place a name becomes a kind:
+"miniwob" and "android" are task suites, any other name is a bundled web app. The
+stages ask the kind, never the name: query generation for the suite's own tasks,
+rollouts for where an episode starts and which environment it sees, critics and
+guidance for the checker. A new kind (a user's own web app) is one class here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from typing import Any, TypeVar
+
+from trajforge.envs.android import DevicePool, android_queries, check_probe
+from trajforge.envs.apps import AppServer, BundledApp, load_app
+from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer, check_reward, check_tasks, miniwob_queries
+from trajforge.envs.spec import AppSpec
+from trajforge.schemas.config import RolloutSettings, Settings
+from trajforge.schemas.records import Query
+
+T = TypeVar("T")
+
+MINIWOB = "miniwob"
+ANDROID = "android"
+
+
+@dataclass
+class Site:
+    """A browser kind's apps, served for the length of a rollout."""
+
+    start_url: Callable[[Query], str]
+    """Where a query's episode starts."""
+    wrap: Callable[[BrowserEnv], Any] = lambda env: env
+    """The environment an episode sees on a pooled browser context (e.g. MiniWoB++'s seeded reset)."""
+    launchers: dict[str, str] = field(default_factory=dict)
+    """App name or title -> start URL, for the action that opens an app."""
+
+
+class AppKind(ABC):
+    """One kind of app."""
+
+    name: str
+    spec: AppSpec | None = None
+    """The page graph, for kinds that have one: query generation samples it, the replay policy walks it."""
+    app: BundledApp | None = None
+    """The bundled web app, for kinds query generation crawls live."""
+    in_browser: bool = True
+    """Episodes run on the browser pool (else `on_devices`)."""
+
+    @abstractmethod
+    def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+        """Whether a task succeeded, read from the state its app ended in, and why."""
+
+    def tasks(self, settings: Settings, *, run_id: str) -> list[Query]:
+        """The kind's own tasks (a suite's); a web app's queries come from query generation instead."""
+        return []
+
+    def task_source(self) -> dict[str, str]:
+        """What made `tasks()`, for the stage's lineage (model name -> version)."""
+        return {}
+
+    def unavailable(self, settings: RolloutSettings) -> str | None:
+        """Why this kind's queries cannot run with these settings (counted as dropped), or None."""
+        return None
+
+    def serve(self, stack: ExitStack) -> Site:
+        """Start what a rollout on the browser pool needs (servers live as long as `stack`)."""
+        raise NotImplementedError(f"{self.name} does not run in the browser")
+
+    def on_devices(self, settings: RolloutSettings, fn: Callable[[Any, Query, str], T], queries: list[Query]) -> list[T]:
+        """fn(env, query, start) for every query, on the kind's own devices."""
+        raise NotImplementedError(f"{self.name} runs in the browser")
+
+
+class BundledWebKind(AppKind):
+    """A bundled web app: a page graph, a server with per-session state, and checkers of that state."""
+
+    def __init__(self, app: BundledApp) -> None:
+        self.app = app
+        self.name = app.name
+        self.spec = app.spec
+
+    def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+        return self.app.check(checker, params, state)
+
+    def serve(self, stack: ExitStack) -> Site:
+        server = stack.enter_context(AppServer(self.app))
+        url = server.base_url + self.spec.pages[self.spec.start].url
+        return Site(start_url=lambda q: url, launchers={self.spec.title: url, self.name: url})
+
+
+class MiniWoBKind(AppKind):
+    """The MiniWoB++ suite: seeded task pages whose own JavaScript reward is the checker."""
+
+    name = MINIWOB
+
+    def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+        return check_reward(params, state)
+
+    def tasks(self, settings: Settings, *, run_id: str) -> list[Query]:
+        cfg = settings.query_gen
+        return miniwob_queries(cfg.miniwob_tasks, cfg.miniwob_seeds, run_id=run_id, max_steps=cfg.miniwob_max_steps,
+                               chromium=settings.rollout.chromium)
+
+    def task_source(self) -> dict[str, str]:
+        return {"miniwob_utterances": f"miniwob@{version('miniwob')}"}
+
+    def serve(self, stack: ExitStack) -> Site:
+        server = stack.enter_context(MiniWoBServer())
+        return Site(start_url=lambda q: server.task_url(q.path[0], int(json.loads(q.slots_json)["seed"])),
+                    wrap=MiniWoBEnv)
+
+
+class AndroidKind(AppKind):
+    """Android devices over ADB: hand-written tasks checked by a device state probe."""
+
+    name = ANDROID
+    in_browser = False
+
+    def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+        return check_probe(params, state)
+
+    def tasks(self, settings: Settings, *, run_id: str) -> list[Query]:
+        return android_queries(settings.query_gen.android_tasks, run_id=run_id)
+
+    def unavailable(self, settings: RolloutSettings) -> str | None:
+        return None if settings.android.devices else "no device configured (rollout.android.devices)"
+
+    def on_devices(self, settings: RolloutSettings, fn: Callable[[Any, Query, str], T], queries: list[Query]) -> list[T]:
+        return DevicePool(settings.android).map(lambda env, q: fn(env, q, q.path[0]), queries)
+
+
+@functools.cache
+def kind_for(name: str) -> AppKind:
+    """The kind of the app a query names; an unknown bundled app raises UnknownAppError."""
+    if name == MINIWOB:
+        return MiniWoBKind()
+    if name == ANDROID:
+        return AndroidKind()
+    return BundledWebKind(load_app(name))
+
+
+def configured_kinds(settings: Settings) -> list[AppKind]:
+    """The kinds the config asks queries of: its bundled apps, then the suites it names tasks of.
+
+    Validates on the way (an unknown app or MiniWoB++ task raises), so a run can check
+    its config before any work.
+    """
+    kinds = [kind_for(name) for name in settings.query_gen.apps]
+    if settings.query_gen.miniwob_tasks:
+        check_tasks(settings.query_gen.miniwob_tasks)
+        kinds.append(kind_for(MINIWOB))
+    if settings.query_gen.android_tasks:
+        kinds.append(kind_for(ANDROID))
+    return kinds

@@ -1,0 +1,42 @@
+"""The night, as one ordered list of stage modules: the flows read it, the CLI names its stages.
+
+Each module declares `STAGE = StageDef(...)` next to the code it runs (see README,
+"Adding a stage"). The nightly runs them in this order, each reading the version of its
+`reads` table that this run made (or the table's latest, if the run made none).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.stage import StageDef
+
+NIGHTLY: tuple[str, ...] = (
+    "trajforge.query_gen.stage",
+    "trajforge.guidance.stage",  # guidance for the queries earlier runs failed, before the rollouts that use it
+    "trajforge.rollout.stage",
+    "trajforge.critics.stage",
+    "trajforge.guidance.history",  # rewrites queries: queries@latest then shows each query's record
+    "trajforge.synth.export",
+)
+
+
+def load_stage(module: str) -> StageDef[Workspace, Any]:
+    """The `STAGE` a module declares; the error names the module when it declares none."""
+    stage = getattr(importlib.import_module(module), "STAGE", None)
+    if not isinstance(stage, StageDef):
+        raise TypeError(f"{module} declares no STAGE = StageDef(...)")
+    return stage
+
+
+def stages(modules: tuple[str, ...] = NIGHTLY) -> dict[str, StageDef[Workspace, Any]]:
+    """Stage name -> declaration, in the night's order; two modules declaring one name is an error."""
+    found: dict[str, StageDef[Workspace, Any]] = {}
+    for module in modules:
+        stage = load_stage(module)
+        if stage.name in found:
+            raise ValueError(f"stage name {stage.name!r} is declared twice ({module})")
+        found[stage.name] = stage
+    return found
