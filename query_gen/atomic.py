@@ -41,7 +41,7 @@ GENERATOR = "atomic@1"
 
 NAMEABLE = {"link", "button", "checkbox", "radio", "switch", "textbox", "searchbox", "spinbutton", "slider",
             "combobox", "tab", "menuitem", "option", "heading", "image"}
-"""Roles that name the text inside them: the recorder (rollout/apps/_shared/static/interactions.js)
+"""Roles that name the text inside them: the recorder (envs/apps/_shared/static/interactions.js)
 reports text inside one of these as that element, so only text outside them is role "text"."""
 
 CLICKABLE = ("link", "button")

@@ -46,7 +46,7 @@ COMMAND_PROMPT = "deep_search_command"
 TEMPLATE_GENERATOR = "deep_search_template@1"
 SURFACE_CHECKER = "surface_opened"
 CHECKABLE_KINDS = ("dialog", "tabpanel")
-"""Endpoints the app reports to its server (see rollout.apps.writer), so `surface_opened` can check them."""
+"""Endpoints the app reports to its server (see envs.apps.writer), so `surface_opened` can check them."""
 
 EndpointKind = Literal["menu", "dialog", "tabpanel", "page", "command"]
 

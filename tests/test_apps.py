@@ -117,7 +117,7 @@ def test_every_app_spec_is_a_usable_task_graph(name: str) -> None:
 
 @pytest.mark.parametrize("name", known_apps())
 def test_spec_and_stylesheet_are_package_data(name: str) -> None:
-    """pyproject ships `*/*.yaml` and `*/static/*` of rollout.apps: each app keeps its files there."""
+    """pyproject ships `*/*.yaml` and `*/static/*` of envs.apps: each app keeps its files there."""
     app = load_app(name)
     assert app.spec_path == app.package_dir / "spec.yaml" and app.spec_path.is_file()
     assert (app.static_dir / "style.css").is_file()

@@ -2,7 +2,7 @@
 
 Real parts only: Writer served on loopback, Debian's Chromium through Playwright, the
 replay policy through the rollout stage, the embedded SmolLM2 through the gateway. The
-pathways the search must find are written below by hand from rollout/apps/writer/app.py
+pathways the search must find are written below by hand from envs/apps/writer/app.py
 (MENUS, the dialogs, the Preferences tabs, the toolbar), not from a run of the search.
 """
 

@@ -5,7 +5,7 @@ accessibility tree says: every input has a label (its accessible name), choices 
 radio buttons, checkboxes and switches that show in a screenshot (never a <select>,
 whose popup does not), errors are role=alert and confirmations role=status. Each app
 keeps its own stylesheet, so the apps look different in screenshots. Every page loads
-the interaction recorder (see `rollout.apps`), the only script most pages have.
+the interaction recorder (see `envs.apps.interaction`), the only script most pages have.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import html
 import re
 from collections.abc import Iterable
 
-from trajforge.envs.apps import RECORDER_SCRIPT, Response, html_response
+from trajforge.envs.apps.interaction import RECORDER_SCRIPT
+from trajforge.envs.apps.web import Response, html_response
 
 
 def esc(text: object) -> str:
@@ -37,10 +38,13 @@ def slug(text: str) -> str:
 
 
 def document(title: str, app_title: str, body: str, *, nav: str = "", status: int = 200,
-             body_class: str = "", head: str = "") -> Response:
+             body_class: str = "", head: str = "", header: str | None = None) -> Response:
     """A whole page: `<title>` is "title · app_title", the header holds the app's name and `nav`.
-    Every page loads the interaction recorder; `head` adds the page's own tags (a script)."""
+    Every page loads the interaction recorder; `head` adds the page's own tags (a script).
+    `header` replaces the whole <header> element (FreshCart's, whose stylesheet predates the kit)."""
     cls = f' class="{esc(body_class)}"' if body_class else ""
+    if header is None:
+        header = f'<header><div class="bar"><span class="brand">{esc(app_title)}</span>{nav}</div></header>'
     return html_response(
         f"""<!doctype html>
 <html lang="en">
@@ -52,7 +56,7 @@ def document(title: str, app_title: str, body: str, *, nav: str = "", status: in
 {RECORDER_SCRIPT}{head}
 </head>
 <body{cls}>
-<header><div class="bar"><span class="brand">{esc(app_title)}</span>{nav}</div></header>
+{header}
 <main>
 {body}
 </main>

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.base import BundledApp
 from trajforge.envs.apps.kit import alert, clean, document, esc, field, missing, norm, notice, radios
+from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 DAYS: dict[str, str] = {
     "Monday": "7 December", "Tuesday": "8 December", "Wednesday": "9 December", "Thursday": "10 December",

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.base import BundledApp
 from trajforge.envs.apps.kit import alert, clean, document, esc, field, missing, norm, notice
+from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 ME = ("Alex Morgan", "alex.morgan@example.com")
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.base import BundledApp
 from trajforge.envs.apps.kit import alert, checkbox, clean, document, esc, field, missing, norm, notice, slug
+from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 TAGS = ("Work", "Personal", "Ideas", "Travel", "Recipes")
 """Every tag a note can have; each is a checkbox named after it in the forms."""

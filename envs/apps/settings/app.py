@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.base import BundledApp
 from trajforge.envs.apps.kit import alert, checkbox, document, esc, missing, norm, notice, radios
+from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 BRIGHTNESS = ("Low", "Medium", "High", "Maximum")
 RINGTONES = ("Chimes", "Classic bell", "Marimba", "Ripple", "Sunrise")

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlencode
 
-from trajforge.envs.apps import RECORDER_SCRIPT, BundledApp, Request, Response, html_response, not_found, redirect
-from trajforge.envs.apps.kit import alert, esc, missing, norm
+from trajforge.envs.apps.base import BundledApp
+from trajforge.envs.apps.kit import alert, document, esc, missing, norm
+from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 SIZES: dict[str, int] = {"Small": -200, "Medium": 0, "Large": 300}
 """Size label -> price change in cents against the dish's medium price."""
@@ -62,28 +63,9 @@ def _dish_url(dish: str) -> str:
 
 def _page(title: str, body: str, state: dict[str, Any], status: int = 200) -> Response:
     count = sum(line["quantity"] for line in state["cart"])
-    return html_response(
-        f"""<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{esc(title)} · FreshCart</title>
-<link rel="stylesheet" href="/static/style.css">
-{RECORDER_SCRIPT}
-</head>
-<body>
-<header>
-<nav aria-label="Main"><a class="brand" href="/">FreshCart</a><a class="cart-link" href="/cart">Cart ({count})</a></nav>
-</header>
-<main>
-{body}
-</main>
-</body>
-</html>
-""",
-        status,
-    )
+    header = ('<header>\n<nav aria-label="Main"><a class="brand" href="/">FreshCart</a>'
+              f'<a class="cart-link" href="/cart">Cart ({count})</a></nav>\n</header>')
+    return document(title, "FreshCart", body, status=status, header=header)
 
 
 def _dish_list(dishes: list[str]) -> str:

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trajforge.envs.apps import BundledApp, Request, Response, not_found, redirect
+from trajforge.envs.apps.base import BundledApp
 from trajforge.envs.apps.kit import alert, checkbox, clean, document, esc, field, missing, norm, radios, slug
+from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 APP_TITLE = "Writer"
 ORIENTATIONS = ("Portrait", "Landscape")
