@@ -122,9 +122,9 @@ def test_a_broken_dump_is_an_environment_fault():
 
 
 def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, monkeypatch):
-    from trajforge.critics.checkers import checker_for
+    from trajforge.critics.stage import checker_for
     from trajforge.data.blobs import BlobStore
-    from trajforge.query_gen.android import android_queries
+    from trajforge.envs.android import android_queries
     from trajforge.rollout.stage import rollout
     from trajforge.schemas.config import AndroidTask, RolloutSettings
 
@@ -152,7 +152,7 @@ def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, mo
 
 def test_android_queries_need_a_device_or_are_dropped_with_the_reason(tmp_path):
     from trajforge.data.blobs import BlobStore
-    from trajforge.query_gen.android import android_queries
+    from trajforge.envs.android import android_queries
     from trajforge.rollout.stage import rollout
     from trajforge.schemas.config import AndroidTask, RolloutSettings
 
@@ -166,13 +166,13 @@ def test_android_queries_need_a_device_or_are_dropped_with_the_reason(tmp_path):
 def test_android_tasks_become_queries_in_the_query_gen_stage(tmp_path):
     from trajforge.schemas.config import Settings
     from trajforge.tasks.runner import commit, plan, run_shard
-    from trajforge.tasks.stages import STAGES
-    from trajforge.tasks.workspace import Workspace
+    from trajforge.flows.stages import stages
+    from trajforge.llm.workspace import Workspace
 
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, query_gen={
         "apps": [], "android_tasks": [{"instruction": "Turn on Wi-Fi", "start": "com.android.settings/.Settings",
                                        "probe": "wifi_on", "value": "1"}]}))
-    p = plan(STAGES["query_gen"], ws, "run-a", None)
+    p = plan(stages()["query_gen"], ws, "run-a", None)
     for shard in p.pending:
         run_shard(p, shard, ws)
     queries = ws.catalog.load("queries", commit(p, ws)["queries"])

@@ -24,7 +24,7 @@ from test_llm_failures import Reply, ScriptedServer
 
 from conftest import ScriptedPolicy, require
 from trajforge.critics.annotate import BOX_COLOR, POINT_COLOR, RING_RADIUS, annotate
-from trajforge.critics.checkers import checker_for
+from trajforge.critics.stage import EpisodeUnit, checker_for
 from trajforge.critics.stage import judge
 from trajforge.critics.steps import StepJudgement
 from trajforge.critics.trajectory import ChannelAnswer, consensus, not_asked
@@ -63,9 +63,9 @@ def cart_query() -> Query:
     )
 
 
-def unit(episode: Any, steps: list[Any], query: Any) -> dict[str, Any]:
-    """An episode as the critics stage gets it: its columns plus its steps and query."""
-    return {**episode.model_dump(), "steps": [s.model_dump() for s in steps], "query": query.model_dump(mode="json")}
+def unit(episode: Any, steps: list[Any], query: Any) -> EpisodeUnit:
+    """An episode as the critics stage gets it: with its steps and query."""
+    return EpisodeUnit(episode, steps, query)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def pixels(png: bytes) -> Image.Image:
 
 def test_annotation_rings_the_click_and_boxes_its_target(recorded):
     blobs, episodes = recorded
-    step = episodes["replay"]["steps"][0]  # click on the 'Margherita Pizza' link
+    step = [s.model_dump() for s in episodes["replay"].steps][0]  # click on the 'Margherita Pizza' link
     action = {"type": step["action_type"], **json.loads(step["action_json"])}
     before = blobs.get(step["screenshot_before"])
     drawn = pixels(annotate(before, action, step["target_box"]))
@@ -110,7 +110,7 @@ def test_annotation_rings_the_click_and_boxes_its_target(recorded):
 
 def test_annotation_draws_the_path_of_a_swipe(recorded):
     blobs, episodes = recorded
-    step = next(s for s in episodes["scripted"]["steps"] if s["action_type"] == "swipe")
+    step = next(s for s in [s.model_dump() for s in episodes["scripted"].steps] if s["action_type"] == "swipe")
     args = json.loads(step["action_json"])
     drawn = pixels(annotate(blobs.get(step["screenshot_before"]), {"type": "swipe", **args}, None))
     midway = ((args["x"] + args["x2"]) // 2, (args["y"] + args["y2"]) // 2)
@@ -120,7 +120,7 @@ def test_annotation_draws_the_path_of_a_swipe(recorded):
 
 def test_annotation_of_an_action_with_no_place_is_none(recorded):
     blobs, episodes = recorded
-    step = episodes["scripted"]["steps"][1]
+    step = [s.model_dump() for s in episodes["scripted"].steps][1]
     assert annotate(blobs.get(step["screenshot_before"]), {"type": "wait", "seconds": 0}, None) is None
 
 
@@ -214,11 +214,11 @@ def test_multimodal_channel_sends_the_screenshots_to_a_vision_endpoint(recorded)
     assert body["model"] == "scripted-vl"
     user = body["messages"][-1]["content"]
     images = [p["image_url"]["url"] for p in user if p["type"] == "image_url"]
-    newest = [s["screenshot_after"] for s in episode["steps"]][-2:]
+    newest = [s.screenshot_after for s in episode.steps][-2:]
     assert [base64.b64decode(url.split(",", 1)[1]) for url in images] == [blobs.get(h) for h in newest]
     assert all(url.startswith("data:image/png;base64,") for url in images)
     text = next(p["text"] for p in user if p["type"] == "text")
-    assert episode["instruction"] in text and "Step 1: click" in text
+    assert episode.episode.instruction in text and "Step 1: click" in text
     verdict = out.rows["verdicts"][0]
     channels = json.loads(verdict.channels_json)
     assert channels["multimodal"]["answer"] == "success" and channels["multimodal"]["model_id"] == "scripted-vl"

@@ -96,7 +96,7 @@ def test_eval_critics_prints_metrics_and_writes_a_report(tmp_path, chromium, tra
     (tmp_path / "trajforge.yaml").write_text(CONFIG)
     cli(trajforge_cli, tmp_path, "run", "nightly")
     from trajforge.schemas.config import Settings
-    from trajforge.tasks.workspace import Workspace
+    from trajforge.llm.workspace import Workspace
 
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
     snapshot = ws.catalog.history("verdicts")[-1].snapshot_id

@@ -18,11 +18,12 @@ from PIL import Image
 from trajforge.data.blobs import BlobStore
 from trajforge.guidance.distill import Describer, guidance_row, rule_check
 from trajforge.guidance.history import hardness
-from trajforge.guidance.stage import guide, load_demonstrations
+from trajforge.guidance.stage import HardQuery, guide, load_demonstrations
 from trajforge.llm import Gateway, load_prompt
 from trajforge.llm.local import missing_models
 from trajforge.rollout.gui_owl import PROMPT, ToolCall, to_action, to_call
 from trajforge.schemas.config import Settings
+from trajforge.schemas.records import Query
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 TREE_HOME = 'RootWebArea "Home" (0,0,412,915)\n  link "Settings" (10,10,80,30)\n  link "Cart" (100,10,60,30)'
@@ -95,8 +96,8 @@ def test_guide_counts_queries_it_could_not_guide(tmp_path):
     unit = {"query_id": "q", "run_id": "r0", "app": "shop", "source": "page_graph", "instruction": "Open the settings",
             "path": ["home"], "slots_json": "{}", "checker": "on_page", "checker_params_json": "{}", "max_steps": 5,
             "generator": "t", "created_at": T0, "actions_json": None, "attempts": 1, "successes": 0}
-    units = [unit | {"hard_reason": "never", "selected": True, "references": []},
-             unit | {"query_id": "q2", "hard_reason": "never", "selected": False, "references": []}]
+    units = [HardQuery(Query(**unit), "never", True, []),
+             HardQuery(Query(**unit | {"query_id": "q2"}), "never", False, [])]
     out = guide(units, run_id="r", describer=Describer(None, BlobStore(tmp_path)), replay=None, max_steps=8)
     assert out.rows["guidance"] == []
     assert out.dropped == {"hard, but over loop.max_guided this run": 1,

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from trajforge.query_gen.miniwob import miniwob_queries
+from trajforge.envs.miniwob import miniwob_queries
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.miniwob import (
     DEFAULT_TASKS, MiniWoBEnv, MiniWoBError, MiniWoBServer, check_reward, check_tasks, task_and_seed,
@@ -93,7 +93,7 @@ def test_task_urls_round_trip(server):
 
 
 def test_critics_checker_registry_judges_miniwob_and_bundled_apps():
-    from trajforge.critics.checkers import checker_for
+    from trajforge.critics.stage import checker_for
 
     assert checker_for("miniwob")("reward", {}, {"done": True, "raw_reward": 1, "reason": None}) == (True, "reward 1")
     ok, _ = checker_for("shop")("in_cart", {"dish": "Pad Thai", "size": "Small"}, {"cart": [], "orders": []})

@@ -19,7 +19,7 @@ from conftest import require
 from trajforge.llm.local import SMOLLM2_ID, missing_models
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import Settings
-from trajforge.tasks.workspace import Workspace
+from trajforge.llm.workspace import Workspace
 from test_rollout import make_query
 
 pytestmark = pytest.mark.browser

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from trajforge.schemas.config import Settings
-from trajforge.tasks.workspace import Workspace
+from trajforge.llm.workspace import Workspace
 
 pytestmark = pytest.mark.browser
 

@@ -11,8 +11,9 @@ from trajforge.data.catalog import Lineage
 from trajforge.schemas.config import Settings
 from trajforge.schemas.stage import StageOutput
 from trajforge.schemas.tables import RowError
-from trajforge.tasks.runner import Inputs, StageDef, commit, plan, run_shard
-from trajforge.tasks.workspace import Workspace, code_version
+from trajforge.schemas.stage import Inputs, StageDef
+from trajforge.tasks.runner import commit, plan, run_shard
+from trajforge.llm.workspace import Workspace, code_version
 
 APPS = [f"app{i}" for i in range(7)]
 
@@ -48,17 +49,17 @@ def make_stage(calls: list[str], fail_on: str | None = None, bad_row: str | None
     def run(units, ws, run_id, config_hash):
         out = StageOutput(models={"policy": "test-model"}, prompts={"test": "1"})
         for u in units:
-            calls.append(u["app"])
-            if u["app"] == fail_on:
+            calls.append(u)
+            if u == fail_on:
                 raise RuntimeError("worker died")
-        out.rows["queries"] = [query(run_id, u["app"], bad=u["app"] == bad_row) for u in units]
+        out.rows["queries"] = [query(run_id, u, bad=u == bad_row) for u in units]
         out.rows["episodes"] = []
         out.dropped["too easy"] += 1
         return out
 
     return StageDef(
-        name="demo", key="app", reads=None, writes={"queries": "append", "episodes": "append"},
-        sections=("query_gen",), load=lambda ws, snap: Inputs(units=[{"app": a} for a in APPS], fingerprint="f"),
+        name="demo", key=str, reads=None, writes={"queries": "append", "episodes": "append"},
+        sections=("query_gen",), load=lambda ws, snap: Inputs(units=list(APPS), fingerprint="f"),
         run=run, shard_size=lambda s: 2,
     )
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trajforge.schemas.config import Settings
-from trajforge.tasks.workspace import Workspace
+from trajforge.llm.workspace import Workspace
 
 pytestmark = pytest.mark.browser
 
