@@ -1,1 +1,2 @@
-"""Critics: step critic, trajectory critic channels and their consensus, programmatic checkers."""
+"""Critics: pre-filters, step critic, trajectory critic channels and their consensus (the `critics` stage,
+`stage.py`, which reads each app kind's programmatic checker from `envs.kinds`), and their evaluation."""

@@ -1,1 +1,1 @@
-"""The dataset catalog (versions, tags, lineage), the screenshot blob store, notebook helpers."""
+"""The dataset catalog (versions, tags, lineage), the screenshot blob store, the run ledger, notebook helpers."""

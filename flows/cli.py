@@ -20,6 +20,7 @@ from rich.table import Table
 
 import trajforge.flows  # noqa: F401  (sets Prefect's environment defaults before Prefect is imported)
 from trajforge.data.catalog import CatalogError
+from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.spec import SpecError
 from trajforge.envs.miniwob import MiniWoBError
 from trajforge.schemas.config import ConfigError, Settings
@@ -52,7 +53,7 @@ def _open(config: Path | None) -> tuple[Settings, Workspace]:
 
     try:
         settings = preflight(str(config) if config else None)
-    except (ConfigError, SpecError, MiniWoBError) as exc:
+    except (ConfigError, SpecError, MiniWoBError, UnknownAppError) as exc:
         raise _fail(str(exc)) from None
     return settings, Workspace.open(settings)
 

@@ -1,1 +1,2 @@
-"""The data contracts: record models, their Arrow schemas with a schema version, the configuration model."""
+"""The data contracts: record models, their Arrow schemas with a schema version, the configuration model,
+the stage contract (`stage`) and ids (`ids`)."""
