@@ -26,10 +26,14 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from trajforge.envs import actions
-from trajforge.envs.browser import Box, Element, EnvFault, Observation, format_box, png_size
+from trajforge.envs.axtree import AXNode, Element, PixelBox
+from trajforge.envs.browser import EnvFault, Observation, png_size
 from trajforge.schemas.config import AndroidSettings, AndroidTask
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import Query
+
+APP = "android"
+"""The app name of every Android query: the device suite, one kind for all devices."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -57,7 +61,7 @@ _COMPONENT = re.compile(r"[A-Za-z][\w.]*/[\w.$]+")  # package/activity, as `am s
 class UINode:
     role: str
     name: str
-    box: Box
+    box: PixelBox
     states: tuple[str, ...]
     resource_id: str
 
@@ -92,14 +96,11 @@ def parse_hierarchy(xml: str) -> list[UINode]:
     return nodes
 
 
-def render(nodes: list[UINode]) -> str:
-    """One `role "name" [state] (x,y,w,h)` line per node, like the browser's tree."""
-    lines = []
-    for n in nodes:
-        text = f'{n.role} "{n.name}"' if n.name else n.role
-        text += "".join(f" [{s}]" for s in n.states)
-        lines.append(f"{text} {format_box(n.box)}")
-    return "\n".join(lines)
+def ax_nodes(nodes: list[UINode]) -> tuple[AXNode, ...]:
+    """The nodes as the browser's tree nodes, so one renderer writes both trees' text
+    (`role "name" [state] (x,y,w,h)` lines); all at depth 0, as `parse_hierarchy` keeps
+    the meaningful nodes without their nesting."""
+    return tuple(AXNode(0, n.role, n.name, n.states, "", n.box) for n in nodes)
 
 
 def _escape_text(text: str) -> str:
@@ -171,7 +172,7 @@ class AndroidEnv:
         self._nodes = parse_hierarchy(self._run("shell", "cat", _DUMP))
         activity = self.current_activity()
         focused = next((Element(n.role, n.name, n.box) for n in self._nodes if "focused" in n.states), None)
-        return Observation(png, width, height, activity, activity.split("/")[0], render(self._nodes), focused)
+        return Observation(png, width, height, activity, activity.split("/")[0], ax_nodes(self._nodes), focused)
 
     @property
     def url(self) -> str:
@@ -287,8 +288,8 @@ def android_queries(tasks: list[AndroidTask], *, run_id: str) -> list[Query]:
     return [
         Query(
             run_id=run_id,
-            query_id=short_id("android", t.start, t.instruction),
-            app="android",
+            query_id=short_id(APP, t.start, t.instruction),
+            app=APP,
             source="imported",
             instruction=t.instruction,
             path=[t.start],

@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 from collections.abc import Awaitable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -50,6 +50,7 @@ from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
 from trajforge.envs import actions
 from trajforge.envs.apps import SESSION_COOKIE
+from trajforge.envs.axtree import AXNode, Box, Element, cdp_value, from_cdp, layout_boxes, render
 
 T = TypeVar("T")
 
@@ -80,17 +81,11 @@ INTERACTIVE_ROLES = {
     "button", "link", "checkbox", "radio", "textbox", "searchbox", "combobox", "spinbutton", "slider",
     "switch", "tab", "menuitem", "menuitemcheckbox", "menuitemradio", "option", "listbox", "treeitem",
 }
-_UNNAMED_NOISE = {"generic", "none", "LabelText", "Legend", "paragraph", "StaticText", "InlineTextBox", "div"}
-_NEVER_SHOWN = {"InlineTextBox", "ListMarker"}  # text fragments and bullets: noise for a reader
-_SHOWN_STATES = ("checked", "selected", "expanded", "disabled", "focused", "level")
 # Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
 _APP_STORAGE = "local_storage,indexeddb,websql,cache_storage,service_workers,file_systems"
 # How a dead server shows in Playwright's and Chromium's errors.
 _SERVER_DOWN = ("ECONNREFUSED", "ECONNRESET", "ERR_CONNECTION_REFUSED", "ERR_CONNECTION_RESET",
                 "ERR_EMPTY_RESPONSE", "ERR_CONNECTION_CLOSED", "socket hang up")
-
-Box = tuple[float, float, float, float]
-"""x, y, width, height in screenshot pixels (the viewport's CSS pixels)."""
 
 FaultKind = Literal["browser_crash", "timeout", "app_down", "other"]
 
@@ -107,15 +102,6 @@ class EnvFault(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Element:
-    """An element of the accessibility tree, with its box when it has a layout."""
-
-    role: str
-    name: str
-    box: Box | None = None
-
-
-@dataclass(frozen=True)
 class Observation:
     """What a policy sees: the screenshot (PNG) and the page's accessibility tree with boxes."""
 
@@ -124,9 +110,15 @@ class Observation:
     height: int
     url: str
     title: str
-    ax_tree: str
+    nodes: tuple[AXNode, ...]
+    """The accessibility tree, in document order: what live code reads."""
     focused: Element | None = None
     """The focused element, when it is not the page itself: a `type` or `key` action's target."""
+    ax_tree: str = field(init=False, repr=False)
+    """`nodes` as text (`axtree.render`), derived so the two cannot disagree: what prompts and step rows hold."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ax_tree", render(self.nodes))
 
 
 def png_size(png: bytes) -> tuple[int, int]:
@@ -135,86 +127,6 @@ def png_size(png: bytes) -> tuple[int, int]:
         raise ValueError("not a PNG")
     width, height = struct.unpack(">II", png[16:24])
     return width, height
-
-
-def _value(field: dict[str, Any] | None) -> Any:
-    return (field or {}).get("value")
-
-
-def layout_boxes(snapshot: dict[str, Any]) -> dict[int, Box]:
-    """Viewport boxes by backend DOM node id, from one `DOMSnapshot.captureSnapshot` of the main frame.
-
-    The snapshot's layout bounds are document coordinates; subtracting the scroll offset
-    gives what the screenshot shows (what `locator.bounding_box()` reports).
-    """
-    doc = snapshot["documents"][0]
-    backend_ids = doc["nodes"]["backendNodeId"]
-    sx, sy = doc.get("scrollOffsetX", 0), doc.get("scrollOffsetY", 0)
-    boxes: dict[int, Box] = {}
-    for index, (x, y, w, h) in zip(doc["layout"]["nodeIndex"], doc["layout"]["bounds"], strict=True):
-        boxes.setdefault(backend_ids[index], (x - sx, y - sy, w, h))  # the first layout object is the element's
-    return boxes
-
-
-def format_box(box: Box) -> str:
-    return "({},{},{},{})".format(*(round(v) for v in box))
-
-
-def render_ax_tree(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None
-                   ) -> tuple[str, Element | None]:
-    """Indented `role "name" [states]: value (x,y,w,h)` lines of the non-ignored nodes, and the focused node.
-
-    Ignored nodes are skipped but their children kept (one level up); unnamed layout
-    nodes (generic, paragraph, label wrappers) and text that repeats its parent's name
-    are dropped, so the tree reads like what a person sees. The box, where the node has
-    a layout, is where it is on the screenshot (off-screen boxes say how far to scroll).
-    """
-    boxes = boxes or {}
-    by_id = {n["nodeId"]: n for n in nodes}
-    roots = [n for n in nodes if not n.get("parentId") or n["parentId"] not in by_id]
-    lines: list[str] = []
-    focused: Element | None = None
-
-    def visit(node: dict[str, Any], depth: int, parent_name: str) -> None:
-        nonlocal focused
-        role = _value(node.get("role")) or ""
-        name = str(_value(node.get("name")) or "").strip()
-        shown = not node.get("ignored") and role not in _NEVER_SHOWN
-        if shown and not name and role in _UNNAMED_NOISE:
-            shown = False
-        if shown and role == "StaticText" and name == parent_name:
-            shown = False
-        if shown:
-            props = {p["name"]: _value(p.get("value")) for p in node.get("properties", [])}
-            states = []
-            for key in _SHOWN_STATES:
-                val = props.get(key)
-                if key == "level" and val is not None and role == "heading":
-                    states.append(f"level={val}")
-                elif key == "level":
-                    continue
-                elif val == "mixed":
-                    states.append(f"{key}=mixed")
-                elif val in (True, "true"):
-                    states.append(key)
-            box = boxes.get(node.get("backendDOMNodeId", -1))
-            if props.get("focused") and role != "RootWebArea":
-                focused = Element(role, name, box)
-            text = f'{"text" if role == "StaticText" else role} "{name}"' if name else role
-            text += "".join(f" [{s}]" for s in states)
-            value = _value(node.get("value"))
-            if value not in (None, "") and role not in ("StaticText", "link"):
-                text += f": {value}"
-            if box is not None:
-                text += " " + format_box(box)
-            lines.append("  " * depth + text)
-        for child_id in node.get("childIds", []):
-            if child_id in by_id:
-                visit(by_id[child_id], depth + 1 if shown else depth, name if shown and name else parent_name)
-
-    for root in roots:
-        visit(root, 0, "")
-    return "\n".join(lines), focused
 
 
 class BrowserHost:
@@ -521,10 +433,10 @@ class BrowserEnv:
         png = base64.b64decode(shot["data"])
         width, height = png_size(png)
         boxes = layout_boxes(snapshot)
-        ax_tree, focused = render_ax_tree(tree["nodes"], boxes)
+        nodes, focused = from_cdp(tree["nodes"], boxes)
         self._seen = (tree["nodes"], boxes)
         title = strings[doc["title"]] if doc["title"] >= 0 else ""
-        return Observation(png, width, height, self._page.url, title, ax_tree, focused)
+        return Observation(png, width, height, self._page.url, title, tuple(nodes), focused)
 
     def act(self, action: dict[str, Any]) -> str | None:
         """Execute one action; returns why it is invalid (nothing done), or None.
@@ -678,8 +590,8 @@ class BrowserEnv:
         node = next((n for n in nodes if n.get("backendDOMNodeId") == hit["backendNodeId"]), None)
         fallback: Element | None = None
         while node is not None:
-            role = _value(node.get("role")) or ""
-            name = str(_value(node.get("name")) or "").strip()
+            role = cdp_value(node.get("role")) or ""
+            name = str(cdp_value(node.get("name")) or "").strip()
             box = boxes.get(node.get("backendDOMNodeId", -1))
             if not node.get("ignored"):
                 if role in INTERACTIVE_ROLES:

@@ -17,23 +17,23 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from trajforge.critics.annotate import annotate
-from trajforge.schemas.ids import short_id
 from trajforge.data.blobs import BlobStore
+from trajforge.envs.axtree import parse, render
 from trajforge.llm import Gateway, ImagePart, load_prompt
+from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import Guidance
 
 PROMPTS = Path(__file__).parent / "prompts"
 OUTCOME_PROMPT = "guidance_outcome"
 SUMMARY_PROMPT = "guidance_summary"
 POINTER_ACTIONS = {"click", "long_press", "double_click", "right_click", "middle_click", "swipe", "drag", "scroll"}
-_BOX = re.compile(r"\s*\([\d.,\s-]+\)\s*$")
 _QUOTED = re.compile(r"'([^']+)'|\"([^\"]+)\"")
 
 
@@ -61,9 +61,9 @@ class Distilled:
 
 
 def _names(ax_tree: str | None) -> list[str]:
-    """The tree's elements without boxes; the page root is left out (its title change is told apart)."""
-    names = [_BOX.sub("", line).strip() for line in (ax_tree or "").splitlines()]
-    return [n for n in names if n and not n.startswith("RootWebArea")]
+    """The tree's elements as unindented lines without boxes (what a person reads of them);
+    the page root is left out (its title change is told apart)."""
+    return [render([replace(n, depth=0, box=None)]) for n in parse(ax_tree or "") if n.role != "RootWebArea"]
 
 
 def _target(step: dict[str, Any]) -> str:

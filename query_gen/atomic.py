@@ -24,17 +24,19 @@ import random
 import re
 import secrets
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from playwright.sync_api import Error as PlaywrightError
 
-from trajforge.schemas.ids import digest
-from trajforge.envs.spec import AppSpec, placeholders
-from trajforge.envs.operations import SPACE_OPS, OpKind, Operation, dump_operations
 from trajforge.envs.apps import INTERACTION_CHECKER, BundledApp
+from trajforge.envs.axtree import AXNode
 from trajforge.envs.browser import Box, BrowserEnv, EnvFault
 from trajforge.envs.locate import MAX_SCROLLS, find_boxes, passage_boxes
+from trajforge.envs.operations import SPACE_OPS, Operation, OpKind, dump_operations
+from trajforge.envs.spec import AppSpec, placeholders
+from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Query
 
 GENERATOR = "atomic@1"
@@ -51,16 +53,14 @@ PER_PAGE = 3
 """Candidates verified on the live page per op kind and page: enough to sample from, few
 enough that a page costs a few dozen lookups, not hundreds."""
 
-_LINE = re.compile(r'^(?P<indent> *)(?P<role>\S+)(?: "(?P<name>.*)")?(?P<states>(?: \[[^\]]*\])*)'
-                   r'(?:: (?P<value>.*?))?(?: \((?P<box>-?\d+,-?\d+,\d+,\d+)\))?$')
 _WORD = re.compile(r"[A-Za-z]{4,}")
 _PUNCTUATION = ".,;:!?()\"'“”‘’"
 
 
 @dataclass(frozen=True)
 class AxItem:
-    """One line of the rendered accessibility tree: role, name, value, box, and whether a
-    nameable element holds it."""
+    """A node of the accessibility tree that has a box: role, name, value, box, and whether
+    a nameable element holds it."""
 
     role: str
     name: str
@@ -97,24 +97,16 @@ class AtomicQueries:
     """Pages opened."""
 
 
-def parse_ax_tree(ax_tree: str) -> list[AxItem]:
-    """The lines of `rollout.env.render_ax_tree`'s output that have a box, as items; a line
-    it cannot read is left out."""
+def ax_items(nodes: Iterable[AXNode]) -> list[AxItem]:
+    """The nodes (an observation's, in document order) that have a box, as items."""
     items: list[AxItem] = []
-    stack: list[tuple[int, bool]] = []  # (depth, nameable) of the ancestors of the next line
-    for line in ax_tree.splitlines():
-        match = _LINE.match(line)
-        if not match:
-            continue
-        depth = len(match["indent"]) // 2
-        while stack and stack[-1][0] >= depth:
+    stack: list[tuple[int, bool]] = []  # (depth, nameable) of the ancestors of the next node
+    for node in nodes:
+        while stack and stack[-1][0] >= node.depth:
             stack.pop()
-        role = match["role"]
-        if match["box"]:
-            x, y, w, h = (float(v) for v in match["box"].split(","))
-            items.append(AxItem(role, match["name"] or "", match["value"] or "", (x, y, w, h),
-                                any(nameable for _, nameable in stack)))
-        stack.append((depth, role in NAMEABLE))
+        if node.box is not None:
+            items.append(AxItem(node.role, node.name, node.value, node.box, any(nameable for _, nameable in stack)))
+        stack.append((node.depth, node.role in NAMEABLE))
     return items
 
 
@@ -192,7 +184,7 @@ class _Page:
         self.env, self.route, self.rng, self.fields_text = env, route, rng, fields_text
         obs = env.observe()
         self.width, self.height = obs.width, obs.height
-        self.items = parse_ax_tree(obs.ax_tree)
+        self.items = ax_items(obs.nodes)
         self.rejected: Counter[str] = Counter()
 
     def _unique(self, role: str, name: str) -> bool:

@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from itertools import count
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from trajforge.schemas.ids import digest
-from trajforge.llm import Gateway, Prompt, Sampling, load_prompt
-from trajforge.envs.operations import Operation, dump_operations
 from trajforge.envs.apps import AppServer, BundledApp
+from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.envs.operations import Operation, dump_operations
+from trajforge.llm import Gateway, Prompt, Sampling, load_prompt
+from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Query
 
 CLICK_ROLES = ("menuitem", "menuitemcheckbox", "menuitemradio", "tab", "button", "link")
@@ -50,9 +50,6 @@ CHECKABLE_KINDS = ("dialog", "tabpanel")
 
 EndpointKind = Literal["menu", "dialog", "tabpanel", "page", "command"]
 
-_LINE = re.compile(r'^(?P<indent>\s*)(?P<role>\S+)(?: "(?P<name>.*?)"(?=$| \[| \(|: ))?')
-_BOX = re.compile(r" \(-?\d+,-?\d+,-?\d+,-?\d+\)$")
-
 
 @dataclass(frozen=True)
 class Screen:
@@ -60,26 +57,21 @@ class Screen:
 
     url: str
     title: str
-    lines: tuple[str, ...]
-    """Tree lines without boxes and focus: what a screen is, wherever it is scrolled or focused."""
+    nodes: tuple[AXNode, ...]
+    """The tree without boxes and focus: what a screen is, wherever it is scrolled or focused."""
 
     @classmethod
     def of(cls, obs: Observation) -> Screen:
-        lines = tuple(_BOX.sub("", line).replace(" [focused]", "") for line in obs.ax_tree.splitlines())
-        return cls(obs.url, obs.title, lines)
+        nodes = tuple(replace(n, box=None, states=tuple(s for s in n.states if s != "focused")) for n in obs.nodes)
+        return cls(obs.url, obs.title, nodes)
 
     @property
     def signature(self) -> str:
-        return hashlib.sha256("\n".join((self.url, *self.lines)).encode()).hexdigest()
+        return hashlib.sha256("\n".join((self.url, render(self.nodes))).encode()).hexdigest()
 
     def named(self, *roles: str) -> list[tuple[str, str]]:
         """(role, name) of the named elements with one of `roles`, in document order, each once."""
-        found: dict[tuple[str, str], None] = {}
-        for line in self.lines:
-            m = _LINE.match(line)
-            if m and m["role"] in roles and m["name"]:
-                found[(m["role"], m["name"])] = None
-        return list(found)
+        return list(dict.fromkeys((n.role, n.name) for n in self.nodes if n.role in roles and n.name))
 
     def texts(self) -> list[str]:
         return [name for _, name in self.named("text")]

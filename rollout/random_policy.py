@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from typing import Any
 
 from trajforge.envs.browser import INTERACTIVE_ROLES, Observation
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.records import Query
 
-_LINE = re.compile(r'^\s*(\w+) "([^"]*)".*\((-?\d+),(-?\d+),(\d+),(\d+)\)$')
 _TEXT_ROLES = {"textbox", "searchbox", "combobox", "spinbutton"}
 _WORDS = ("hello", "submit", "ok", "2017", "blue", "test")
 
@@ -36,12 +34,11 @@ class RandomPolicy:
 
     def act(self, observation: Observation, env: Any) -> PolicyOutput:
         targets = []
-        for line in observation.ax_tree.splitlines():
-            m = _LINE.match(line)
-            if m and m.group(1) in INTERACTIVE_ROLES:
-                x, y, w, h = map(int, m.groups()[2:])
+        for node in observation.nodes:
+            if node.role in INTERACTIVE_ROLES and node.name and node.box is not None:
+                x, y, w, h = node.box
                 if w > 0 and h > 0 and 0 <= x + w / 2 < observation.width and 0 <= y + h / 2 < observation.height:
-                    targets.append((m.group(1), m.group(2), x + w // 2, y + h // 2))
+                    targets.append((node.role, node.name, x + w // 2, y + h // 2))
         if not targets:
             action: dict[str, Any] = {"type": "terminate", "status": "failure"}
             return PolicyOutput(action, "Nothing on the screen to interact with.", json.dumps(action))

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 
 from trajforge.data.blobs import BlobStore
-from trajforge.query_gen.atomic import GENERATOR, Route, atomic_queries, crawlable_routes, parse_ax_tree
-from trajforge.envs.operations import SPACE_OPS, Operation, parse_operations
 from trajforge.envs.apps import UI_EVENTS, AppServer, check_interaction, load_app
+from trajforge.envs.axtree import parse
 from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.operations import SPACE_OPS, Operation, parse_operations
+from trajforge.query_gen.atomic import GENERATOR, Route, atomic_queries, ax_items, crawlable_routes
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
 from trajforge.rollout.stage import rollout
@@ -97,13 +98,13 @@ def test_crawlable_routes_follow_link_transitions_with_their_slots() -> None:
     assert len([r for r in routes if r.path == ("notes", "note")]) == len(spec.slot_values()["note"])
 
 
-def test_parse_ax_tree_keeps_boxes_and_knows_text_inside_a_named_element() -> None:
-    items = parse_ax_tree('RootWebArea "Notes" (0,0,1280,800)\n'
-                          '  heading "Monday 7 December" [level=2] (286,150,707,40)\n'
-                          '    link "Monday" (286,150,74,40)\n'
-                          '    text "7 December" (370,163,88,16)\n'
-                          '  text "Oat milk, eggs." (191,475,228,38)\n'
-                          '  searchbox "Search notes": garden (176,94,820,44)')
+def test_ax_items_keep_boxes_and_know_text_inside_a_named_element() -> None:
+    items = ax_items(parse('RootWebArea "Notes" (0,0,1280,800)\n'
+                           '  heading "Monday 7 December" [level=2] (286,150,707,40)\n'
+                           '    link "Monday" (286,150,74,40)\n'
+                           '    text "7 December" (370,163,88,16)\n'
+                           '  text "Oat milk, eggs." (191,475,228,38)\n'
+                           '  searchbox "Search notes": garden (176,94,820,44)'))
     by_name = {i.name: i for i in items}
     assert by_name["7 December"].in_nameable and not by_name["Oat milk, eggs."].in_nameable
     assert by_name["Oat milk, eggs."].box == (191, 475, 228, 38)

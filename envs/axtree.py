@@ -1,0 +1,207 @@
+"""The accessibility tree as data, and the one owner of its text form.
+
+An env turns what the platform reports (Chromium's CDP tree, Android's view hierarchy)
+into `AXNode`s; `render` is the only code that writes them as text, and `parse` the only
+code that reads that text back. The text matters beyond the prompt it goes into: model
+cache keys hash it and step rows store it (`ax_tree_before`, `ax_tree_after`), so its
+format must not drift. Code that holds a live `Observation` reads `Observation.nodes`;
+code that only holds stored text calls `parse`, never a regex of its own.
+
+One line per node, indented two spaces per level:
+
+    role "name" [state] [state]: value (x,y,w,h)
+
+The name is left out when empty (and so are its quotes), as are the states, the value
+and the box when there are none. The format quotes names but escapes nothing, so a name
+or value holding a quote or a line break can read more than one way; `parse` settles
+those cases by the rules in its docstring.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+Box = tuple[float, float, float, float]
+"""x, y, width, height in screenshot pixels (the viewport's CSS pixels)."""
+
+PixelBox = tuple[int, int, int, int]
+"""A box rounded to whole pixels, as the text shows it."""
+
+_UNNAMED_NOISE = {"generic", "none", "LabelText", "Legend", "paragraph", "StaticText", "InlineTextBox", "div"}
+_NEVER_SHOWN = {"InlineTextBox", "ListMarker"}  # text fragments and bullets: noise for a reader
+_SHOWN_STATES = ("checked", "selected", "expanded", "disabled", "focused", "level")
+_NO_VALUE = ("StaticText", "link")  # roles whose value is not shown (a link's is its URL)
+
+
+@dataclass(frozen=True)
+class Element:
+    """An element of the accessibility tree, with its box when it has a layout."""
+
+    role: str
+    name: str
+    box: Box | None = None
+
+
+@dataclass(frozen=True)
+class AXNode:
+    """One shown node of the tree: one line of its text, field by field.
+
+    A tree is a list of nodes in document order, each with its depth (its parent is the
+    closest node before it with a smaller depth): the same shape as the text, so a
+    parsed tree equals the one that was rendered.
+    """
+
+    depth: int
+    role: str
+    """The role as shown: Chromium's, except "text" for StaticText (Android's mapped to the same words)."""
+    name: str = ""
+    states: tuple[str, ...] = ()
+    """As shown, in the order shown: "checked", "checked=mixed", "level=2"..."""
+    value: str = ""
+    """The value as shown (a text field's content, a slider's number); "" when none is shown."""
+    box: PixelBox | None = None
+    """Where it is on the screenshot, rounded to whole pixels; None without a layout."""
+
+
+def cdp_value(field: dict[str, Any] | None) -> Any:
+    """The `value` of one of CDP's AXValue fields (role, name, value, a property); None when absent."""
+    return (field or {}).get("value")
+
+
+def layout_boxes(snapshot: dict[str, Any]) -> dict[int, Box]:
+    """Viewport boxes by backend DOM node id, from one `DOMSnapshot.captureSnapshot` of the main frame.
+
+    The snapshot's layout bounds are document coordinates; subtracting the scroll offset
+    gives what the screenshot shows (what `locator.bounding_box()` reports).
+    """
+    doc = snapshot["documents"][0]
+    backend_ids = doc["nodes"]["backendNodeId"]
+    sx, sy = doc.get("scrollOffsetX", 0), doc.get("scrollOffsetY", 0)
+    boxes: dict[int, Box] = {}
+    for index, (x, y, w, h) in zip(doc["layout"]["nodeIndex"], doc["layout"]["bounds"], strict=True):
+        boxes.setdefault(backend_ids[index], (x - sx, y - sy, w, h))  # the first layout object is the element's
+    return boxes
+
+
+def from_cdp(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None) -> tuple[list[AXNode], Element | None]:
+    """The shown nodes of a CDP `Accessibility.getFullAXTree`, and the focused element.
+
+    Ignored nodes are skipped but their children kept (one level up); unnamed layout
+    nodes (generic, paragraph, label wrappers) and text that repeats its parent's name
+    are dropped, so the tree reads like what a person sees. The box, where the node has
+    a layout, is where it is on the screenshot (off-screen boxes say how far to scroll).
+    The focused element keeps Chromium's role and the unrounded box: it is a step's
+    target, recorded as such.
+    """
+    boxes = boxes or {}
+    by_id = {n["nodeId"]: n for n in nodes}
+    roots = [n for n in nodes if not n.get("parentId") or n["parentId"] not in by_id]
+    shown_nodes: list[AXNode] = []
+    focused: Element | None = None
+
+    def visit(node: dict[str, Any], depth: int, parent_name: str) -> None:
+        nonlocal focused
+        role = cdp_value(node.get("role")) or ""
+        name = str(cdp_value(node.get("name")) or "").strip()
+        shown = not node.get("ignored") and role not in _NEVER_SHOWN
+        if shown and not name and role in _UNNAMED_NOISE:
+            shown = False
+        if shown and role == "StaticText" and name == parent_name:
+            shown = False
+        if shown:
+            props = {p["name"]: cdp_value(p.get("value")) for p in node.get("properties", [])}
+            states = []
+            for key in _SHOWN_STATES:
+                val = props.get(key)
+                if key == "level" and val is not None and role == "heading":
+                    states.append(f"level={val}")
+                elif key == "level":
+                    continue
+                elif val == "mixed":
+                    states.append(f"{key}=mixed")
+                elif val in (True, "true"):
+                    states.append(key)
+            box = boxes.get(node.get("backendDOMNodeId", -1))
+            if props.get("focused") and role != "RootWebArea":
+                focused = Element(role, name, box)
+            value = cdp_value(node.get("value"))
+            shown_nodes.append(AXNode(
+                depth, "text" if role == "StaticText" else role, name, tuple(states),
+                "" if value in (None, "") or role in _NO_VALUE else f"{value}",
+                None if box is None else (round(box[0]), round(box[1]), round(box[2]), round(box[3])),
+            ))
+        for child_id in node.get("childIds", []):
+            if child_id in by_id:
+                visit(by_id[child_id], depth + 1 if shown else depth, name if shown and name else parent_name)
+
+    for root in roots:
+        visit(root, 0, "")
+    return shown_nodes, focused
+
+
+def render(nodes: Iterable[AXNode]) -> str:
+    """The tree as text: one `role "name" [state]: value (x,y,w,h)` line per node, indented by depth."""
+    lines = []
+    for n in nodes:
+        line = "  " * n.depth + (f'{n.role} "{n.name}"' if n.name else n.role)
+        line += "".join(f" [{s}]" for s in n.states)
+        if n.value:
+            line += f": {n.value}"
+        if n.box is not None:
+            line += " ({},{},{},{})".format(*n.box)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+_TAIL = (r'(?P<states>(?: \[(?:level=[^\]]*|(?:checked|selected|expanded|disabled|focused)(?:=mixed)?)\])*)'
+         r'(?:: (?P<value>.+?))?(?: \((?P<box>-?\d+,-?\d+,-?\d+,-?\d+)\))?')
+_FIRST_QUOTE = re.compile(rf'(?P<indent>(?:  )*)(?P<role>[^\s":]+)(?: "(?P<name>.+?)")?{_TAIL}', re.DOTALL)
+_LAST_QUOTE = re.compile(rf'(?P<indent>(?:  )*)(?P<role>[^\s":]+)(?: "(?P<name>.+)")?{_TAIL}', re.DOTALL)
+_OPENS_NAME = re.compile(r'(?:  )*[^\s":]+ "')
+_TEXT_VALUE_ROLES = {"textbox", "searchbox", "combobox"}
+"""Roles whose shown value is text an agent typed or picked, which may hold quotes of its own."""
+
+
+def _match(line: str) -> re.Match[str] | None:
+    """The line read as one node, or None; both patterns read the same lines, split differently."""
+    m = _LAST_QUOTE.fullmatch(line)
+    if m is not None and m["role"] in _TEXT_VALUE_ROLES:
+        m = _FIRST_QUOTE.fullmatch(line)
+    return m
+
+
+def parse(text: str) -> list[AXNode]:
+    """The nodes of `render`'s text: `render(parse(text)) == text` for any text it wrote.
+
+    `parse(render(nodes)) == nodes` too, but for what the unescaped format cannot tell
+    apart, settled so: a name ends at the last quote that the rest of the line can follow
+    (states, a value, a box), except for text fields and combo boxes, whose typed or
+    picked value may itself hold quotes: there it ends at the first. A name or value
+    that held a line break spans lines: a line continues the one before it when that
+    one is unfinished (a quote left open), or when it is no node line of its own and
+    does not open a quoted name (`role "…`). So a line of a name or value that reads as
+    a node line is read as one. A tree written by anything else raises ValueError.
+    """
+    if not text:
+        return []
+    chunks: list[str] = []
+    for line in text.split("\n"):
+        if chunks and (_match(chunks[-1]) is None or (_match(line) is None and not _OPENS_NAME.match(line))):
+            chunks[-1] += "\n" + line
+        else:
+            chunks.append(line)
+    nodes = []
+    for chunk in chunks:
+        m = _match(chunk)
+        if m is None:
+            raise ValueError(f"not a line of a rendered accessibility tree: {chunk[:200]!r}")
+        box: PixelBox | None = None
+        if m["box"] is not None:
+            x, y, w, h = (int(v) for v in m["box"].split(","))
+            box = (x, y, w, h)
+        states = tuple(re.findall(r"\[([^\]]*)\]", m["states"]))
+        nodes.append(AXNode(len(m["indent"]) // 2, m["role"], m["name"] or "", states, m["value"] or "", box))
+    return nodes
