@@ -16,13 +16,13 @@ from typing import Any
 
 from trajforge.critics import trajectory
 from trajforge.critics.steps import StepCritic
-from trajforge.schemas.ids import short_id
 from trajforge.critics.trajectory import CHECKER, MULTIMODAL, TEXT, ChannelAnswer
 from trajforge.data.blobs import BlobStore
-from trajforge.llm import Gateway
-from trajforge.schemas.config import CriticSettings
 from trajforge.envs.kinds import kind_for
+from trajforge.llm import Gateway
 from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import CriticSettings
+from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import Episode, Query, Step, StepCritique, Verdict
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 

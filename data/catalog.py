@@ -52,8 +52,8 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from trajforge.schemas.ids import digest
 from trajforge.schemas.config import WarehouseSettings
+from trajforge.schemas.ids import digest
 from trajforge.schemas.records import RECORDS, Record
 from trajforge.schemas.tables import SCHEMA_VERSION_KEY, arrow_schema, record_model, to_arrow
 

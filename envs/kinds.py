@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any, TypeVar
 
+from trajforge.envs import android, miniwob
 from trajforge.envs.android import DevicePool, android_queries, check_probe
 from trajforge.envs.apps import AppServer, BundledApp, load_app
 from trajforge.envs.browser import BrowserEnv
@@ -28,8 +29,8 @@ from trajforge.schemas.records import Query
 
 T = TypeVar("T")
 
-MINIWOB = "miniwob"
-ANDROID = "android"
+MINIWOB = miniwob.APP
+ANDROID = android.APP
 
 
 @dataclass

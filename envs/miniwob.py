@@ -15,15 +15,18 @@ import functools
 import http.server
 import json
 import threading
-from pathlib import Path
 from datetime import datetime, timezone
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from trajforge.envs.browser import BrowserEnv
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import Query
+
+APP = "miniwob"
+"""The app name of every MiniWoB++ query: the suite is one kind, its tasks the queries' paths."""
 
 # Tasks that a pixel-level agent can do on one screen without timing tricks; the
 # default query set (30+ tasks of clicking, typing, choosing, forms and navigation).
@@ -147,8 +150,8 @@ def miniwob_queries(
                     utterance = env.reset(f"{task}-{seed}", server.task_url(task, seed))
                     rows.append(Query(
                         run_id=run_id,
-                        query_id=short_id("miniwob", task, str(seed)),
-                        app="miniwob",
+                        query_id=short_id(APP, task, str(seed)),
+                        app=APP,
                         source="miniwob",
                         instruction=utterance,
                         path=[task],

@@ -21,11 +21,11 @@ from rich.table import Table
 import trajforge.flows  # noqa: F401  (sets Prefect's environment defaults before Prefect is imported)
 from trajforge.data.catalog import CatalogError
 from trajforge.envs.apps import UnknownAppError
-from trajforge.envs.spec import SpecError
 from trajforge.envs.miniwob import MiniWoBError
-from trajforge.schemas.config import ConfigError, Settings
+from trajforge.envs.spec import SpecError
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import ConfigError, Settings
 
 STAGES = stages()
 
@@ -251,8 +251,8 @@ def eval_critics(
     """Each critic channel's verdicts against the programmatic ground truth: metrics, confusion, errors."""
     import json
 
-    from trajforge.critics.stage import checker_for
     from trajforge.critics.evaluate import load_judged, score
+    from trajforge.critics.stage import checker_for
 
     _, ws = _open(config)
     try:

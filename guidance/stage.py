@@ -18,13 +18,12 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from trajforge.schemas.ids import short_id
+from trajforge.envs.kinds import kind_for
 from trajforge.guidance.distill import Describer, guidance_row
 from trajforge.guidance.history import STEP_FIELDS, buffer_entry, hardness
-from trajforge.envs.kinds import kind_for
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
-from trajforge.schemas.ids import digest
+from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import Episode, Query, ReplayEntry, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 

@@ -12,8 +12,8 @@ import json
 import re
 from collections import Counter
 
-from trajforge.envs.spec import AppSpec
 from trajforge.envs.operations import parse_operations
+from trajforge.envs.spec import AppSpec
 from trajforge.schemas.records import Query
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from trajforge.schemas.ids import digest
 from trajforge.envs.spec import AppSpec, placeholders
+from trajforge.schemas.ids import digest
 
 TEMPLATE_GENERATOR = "template@1"
 

@@ -21,20 +21,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+from trajforge.envs.apps import AppServer, BundledApp
+from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.kinds import configured_kinds, kind_for
 from trajforge.llm import Gateway
+from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.atomic import atomic_queries
 from trajforge.query_gen.deep_search import Commander, deep_search_queries
 from trajforge.query_gen.quality import coverage, remove_near_duplicates
 from trajforge.query_gen.sampling import TEMPLATE_GENERATOR, SampledTask, sample_tasks
 from trajforge.query_gen.synthesis import Synthesiser
 from trajforge.query_gen.validation import InterfaceValidator
-from trajforge.envs.apps import AppServer, BundledApp
-from trajforge.envs.browser import BrowserEnv
 from trajforge.schemas.config import QueryGenSettings
-from trajforge.schemas.records import Query
-from trajforge.envs.kinds import configured_kinds, kind_for
-from trajforge.llm.workspace import Workspace
 from trajforge.schemas.ids import digest
+from trajforge.schemas.records import Query
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 logger = logging.getLogger(__name__)

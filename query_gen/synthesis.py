@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from trajforge.llm import Gateway, Prompt, load_prompt
 from trajforge.envs.spec import AppSpec
+from trajforge.llm import Gateway, Prompt, load_prompt
 from trajforge.query_gen.sampling import TEMPLATE_GENERATOR, SampledTask
 
 SYNTHESIS_PROMPT = "query_synthesis"

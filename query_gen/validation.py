@@ -34,11 +34,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
-from trajforge.envs.spec import AppSpec, UIAction, placeholders
-from trajforge.envs.operations import parse_operations
 from playwright.sync_api import Error as PlaywrightError
 
 from trajforge.envs.browser import BrowserEnv, EnvFault
+from trajforge.envs.operations import parse_operations
+from trajforge.envs.spec import AppSpec, UIAction, placeholders
 from trajforge.schemas.records import Query
 
 Target = tuple[str, str]

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 from playwright.sync_api import Error as PlaywrightError
 
-from trajforge.llm.calls import CallRecord
 from trajforge.envs import actions
 from trajforge.envs.browser import BrowserEnv, Element, EnvFault, Observation
+from trajforge.llm.calls import CallRecord
 from trajforge.rollout.policy import Policy
 from trajforge.schemas.records import Episode, Query, Step
 

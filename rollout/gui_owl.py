@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from trajforge.llm import Gateway, ImagePart, load_prompt
 from trajforge.envs import actions
 from trajforge.envs.browser import Observation
+from trajforge.llm import Gateway, ImagePart, load_prompt
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.records import Query
 

@@ -22,10 +22,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from trajforge.llm import CallRecord, Gateway, ImagePart, load_prompt
-from trajforge.llm.calls import ChatResult
 from trajforge.envs import actions
 from trajforge.envs.browser import Observation
+from trajforge.llm import CallRecord, Gateway, ImagePart, load_prompt
+from trajforge.llm.calls import ChatResult
 from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, action_lines, to_action
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.records import Query

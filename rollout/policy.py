@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from trajforge.llm.calls import CallRecord
 from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.llm.calls import CallRecord
 from trajforge.schemas.records import Query
 
 

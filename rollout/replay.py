@@ -24,12 +24,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from trajforge.envs.spec import CHECK_OPS, AppSpec
-from trajforge.envs.operations import SPACE_OPS, Operation, parse_operations
 from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.envs.locate import MAX_SCROLLS, find_boxes, is_checked, passage_boxes
+from trajforge.envs.operations import SPACE_OPS, Operation, parse_operations
+from trajforge.envs.spec import CHECK_OPS, AppSpec
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.records import Query
+
 
 @dataclass(frozen=True)
 class _Step:

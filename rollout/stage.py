@@ -14,12 +14,13 @@ same ids and the catalog can tell a redone shard from new work.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 
+from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.kinds import AppKind, kind_for
 from trajforge.envs.pool import EnvPool
@@ -32,7 +33,6 @@ from trajforge.rollout.mobile_agent import MobileAgentPolicy
 from trajforge.rollout.policy import Policy
 from trajforge.rollout.random_policy import RandomPolicy
 from trajforge.rollout.replay import ReplayPolicy
-from trajforge.envs.apps import UnknownAppError
 from trajforge.schemas.config import RolloutSettings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Episode, Query, Step

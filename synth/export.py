@@ -14,13 +14,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from trajforge.schemas.ids import short_id
 from trajforge.data.blobs import BlobStore
-from trajforge.llm import ImagePart, TextPart, load_prompt
 from trajforge.envs import actions
-from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, to_call, tool_spec
 from trajforge.guidance.history import load_judged
+from trajforge.llm import ImagePart, TextPart, load_prompt
 from trajforge.llm.workspace import Workspace
+from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, to_call, tool_spec
+from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import Episode, Step, TrainingStep
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 

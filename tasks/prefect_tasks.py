@@ -9,8 +9,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from trajforge.tasks.runner import Shard, StagePlan, run_shard
 from trajforge.llm.workspace import Workspace
+from trajforge.tasks.runner import Shard, StagePlan, run_shard
 
 
 @task(name="shard", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from trajforge.llm import Gateway
-from trajforge.llm.local import missing_models
 from trajforge.envs.apps import AppServer, BundledApp, load_app
 from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.llm import Gateway
+from trajforge.llm.local import missing_models
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.config import LLMSettings
 from trajforge.schemas.records import Query

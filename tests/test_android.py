@@ -164,10 +164,10 @@ def test_android_queries_need_a_device_or_are_dropped_with_the_reason(tmp_path):
 
 
 def test_android_tasks_become_queries_in_the_query_gen_stage(tmp_path):
-    from trajforge.schemas.config import Settings
-    from trajforge.tasks.runner import commit, plan, run_shard
     from trajforge.flows.stages import stages
     from trajforge.llm.workspace import Workspace
+    from trajforge.schemas.config import Settings
+    from trajforge.tasks.runner import commit, plan, run_shard
 
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, query_gen={
         "apps": [], "android_tasks": [{"instruction": "Turn on Wi-Fi", "start": "com.android.settings/.Settings",

@@ -22,10 +22,10 @@ import networkx as nx
 import pytest
 import yaml
 
-from trajforge.envs.spec import SpecError, load_spec
 from trajforge.envs.apps import SESSION_COOKIE, AppServer, BundledApp, UnknownAppError, known_apps, load_app
 from trajforge.envs.apps.shop import app as shop_module
 from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.spec import SpecError, load_spec
 
 
 def http(server: AppServer, method: str, path: str, session: str | None = None,

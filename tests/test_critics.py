@@ -19,21 +19,20 @@ from typing import Any
 
 import networkx as nx
 import pytest
+from conftest import ScriptedPolicy, require
 from PIL import Image
 from test_llm_failures import Reply, ScriptedServer
 
-from conftest import ScriptedPolicy, require
 from trajforge.critics.annotate import BOX_COLOR, POINT_COLOR, RING_RADIUS, annotate
-from trajforge.critics.stage import EpisodeUnit, checker_for
-from trajforge.critics.stage import judge
+from trajforge.critics.stage import EpisodeUnit, checker_for, judge
 from trajforge.critics.steps import StepJudgement
 from trajforge.critics.trajectory import ChannelAnswer, consensus, not_asked
 from trajforge.data.blobs import BlobStore
+from trajforge.envs.apps import AppServer, load_app
+from trajforge.envs.browser import BrowserEnv
 from trajforge.llm import Gateway
 from trajforge.llm.local import missing_models
 from trajforge.llm.structured import ParseError, parse
-from trajforge.envs.apps import AppServer, load_app
-from trajforge.envs.browser import BrowserEnv
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
 from trajforge.schemas.config import CriticSettings, LLMSettings

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from trajforge.data.blobs import BlobStore
+from trajforge.envs.apps import AppServer, BundledApp, load_app
+from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.operations import Operation, parse_operations
 from trajforge.llm import Gateway, Sampling
 from trajforge.llm.local import SMOLLM2_ID
 from trajforge.query_gen.deep_search import (
@@ -28,9 +31,6 @@ from trajforge.query_gen.deep_search import (
     pathway_queries,
     template_command,
 )
-from trajforge.envs.operations import Operation, parse_operations
-from trajforge.envs.apps import AppServer, BundledApp, load_app
-from trajforge.envs.browser import BrowserEnv
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import RolloutSettings
 

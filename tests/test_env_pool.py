@@ -20,11 +20,11 @@ import networkx as nx
 import pytest
 
 from trajforge.data.blobs import BlobRef, BlobStore
-from trajforge.envs.spec import AppSpec
 from trajforge.envs.apps import AppServer, BundledApp
 from trajforge.envs.browser import BrowserEnv, EnvFault
-from trajforge.rollout.episode import run_episode
 from trajforge.envs.pool import EnvPool
+from trajforge.envs.spec import AppSpec
+from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
 from trajforge.rollout.stage import episode_id_for, rollout
 from trajforge.schemas.config import RolloutSettings

@@ -15,8 +15,8 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-
 from conftest import require
+
 from trajforge.critics.evaluate import Confusion
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -95,8 +95,8 @@ def test_eval_critics_prints_metrics_and_writes_a_report(tmp_path, chromium, tra
     """A nightly run with the random policy (its episodes fail), then the evaluation of its verdicts."""
     (tmp_path / "trajforge.yaml").write_text(CONFIG)
     cli(trajforge_cli, tmp_path, "run", "nightly")
-    from trajforge.schemas.config import Settings
     from trajforge.llm.workspace import Workspace
+    from trajforge.schemas.config import Settings
 
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
     snapshot = ws.catalog.history("verdicts")[-1].snapshot_id

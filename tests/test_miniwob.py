@@ -7,10 +7,16 @@ import re
 
 import pytest
 
-from trajforge.envs.miniwob import miniwob_queries
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.miniwob import (
-    DEFAULT_TASKS, MiniWoBEnv, MiniWoBError, MiniWoBServer, check_reward, check_tasks, task_and_seed,
+    DEFAULT_TASKS,
+    MiniWoBEnv,
+    MiniWoBError,
+    MiniWoBServer,
+    check_reward,
+    check_tasks,
+    miniwob_queries,
+    task_and_seed,
 )
 
 pytestmark = pytest.mark.browser

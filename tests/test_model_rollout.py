@@ -14,13 +14,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from conftest import require
+from test_rollout import make_query
+
 from trajforge.llm.local import SMOLLM2_ID, missing_models
+from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import Settings
-from trajforge.llm.workspace import Workspace
-from test_rollout import make_query
 
 pytestmark = pytest.mark.browser
 

@@ -16,8 +16,8 @@ import polars as pl
 import pytest
 import sqlalchemy as sa
 
-from trajforge.schemas.config import Settings
 from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import Settings
 
 pytestmark = pytest.mark.browser
 

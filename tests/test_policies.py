@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from trajforge.llm.structured import ParseError, parse
 from trajforge.envs import actions
+from trajforge.llm.structured import ParseError, parse
 from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
 
 

@@ -15,9 +15,9 @@ from typing import cast
 import pytest
 
 from trajforge.data.blobs import BlobStore
+from trajforge.envs.apps import load_app
 from trajforge.query_gen.quality import normalise
 from trajforge.query_gen.stage import generate_queries
-from trajforge.envs.apps import load_app
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import QueryGenSettings, RolloutSettings
 from trajforge.schemas.records import Episode, Query

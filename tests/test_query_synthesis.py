@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
+from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
 from trajforge.llm.local import SMOLLM2_ID
-from trajforge.envs.spec import AppSpec
 from trajforge.query_gen.quality import coverage, normalise, remove_near_duplicates
 from trajforge.query_gen.sampling import TEMPLATE_GENERATOR, sample_tasks
 from trajforge.query_gen.stage import generate_queries
 from trajforge.query_gen.synthesis import Synthesiser, missing_slot
 from trajforge.query_gen.validation import InterfaceValidator
-from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
-from trajforge.envs.browser import BrowserEnv
 from trajforge.schemas.config import QueryGenSettings
 from trajforge.schemas.records import Query
 

@@ -16,15 +16,14 @@ from typing import Iterator
 
 import networkx as nx
 import pytest
-
 from conftest import ScriptedPolicy
 from PIL import Image
 
 from trajforge.data.blobs import BlobStore
-from trajforge.envs.spec import AppSpec, placeholders
 from trajforge.envs import actions
 from trajforge.envs.apps import AppServer, BundledApp, known_apps, load_app
 from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.envs.spec import AppSpec, placeholders
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.rollout.replay import ReplayPolicy, SlotError, plan

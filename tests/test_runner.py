@@ -8,12 +8,11 @@ from datetime import datetime, timezone
 import pytest
 
 from trajforge.data.catalog import Lineage
-from trajforge.schemas.config import Settings
-from trajforge.schemas.stage import StageOutput
-from trajforge.schemas.tables import RowError
-from trajforge.schemas.stage import Inputs, StageDef
-from trajforge.tasks.runner import commit, plan, run_shard
 from trajforge.llm.workspace import Workspace, code_version
+from trajforge.schemas.config import Settings
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+from trajforge.schemas.tables import RowError
+from trajforge.tasks.runner import commit, plan, run_shard
 
 APPS = [f"app{i}" for i in range(7)]
 

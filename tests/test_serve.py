@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trajforge.schemas.config import Settings
 from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import Settings
 
 pytestmark = pytest.mark.browser
 
