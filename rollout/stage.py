@@ -68,7 +68,7 @@ def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gatewa
                         history_images=settings.history_images, guidance=guidance)
 
 
-def rollout(queries: list[dict[str, Any]], *, run_id: str, settings: RolloutSettings,
+def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, settings: RolloutSettings,
             blobs: BlobSink, gateway: Gateway | None = None,
             guidance: dict[str, tuple[str, str]] | None = None) -> StageOutput:
     """Run every query of the shard with the configured policy and viewport.
@@ -76,8 +76,8 @@ def rollout(queries: list[dict[str, Any]], *, run_id: str, settings: RolloutSett
     `guidance` maps query ids to (guidance id, text): those queries' episodes are guided
     rollouts of the self-evolving loop, and their rows name the guidance.
 
-    Queries for an app that is not bundled are dropped with a reason (they belong to
-    another environment). Every env_fault episode is counted in `dropped` under its
+    A query whose app is unknown, or whose kind cannot run here (an Android query with no
+    device, a suite task under the replay policy), is dropped with the reason. Every env_fault episode is counted in `dropped` under its
     fault kind, as rerun or as the query's last attempt.
     """
     output = StageOutput(rows={"episodes": [], "steps": []}, models={"policy": settings.policy}, prompts={})
