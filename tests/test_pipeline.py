@@ -178,13 +178,18 @@ def test_killed_during_rollouts_then_rerun_commits_each_episode_once(tmp_path, c
 def test_broken_app_spec_fails_before_any_work(tmp_path):
     """A user edits a bundled spec in their checkout so that a transition names a missing page."""
     repo = Path(__file__).resolve().parents[1]
-    for room in ("schemas", "data", "query_gen", "rollout", "critics", "tasks", "flows", "llm", "guidance", "synth"):
-        shutil.copytree(repo / room, tmp_path / room, ignore=shutil.ignore_patterns("__pycache__", "warehouse"))
-    spec = tmp_path / "rollout" / "apps" / "shop" / "spec.yaml"
+    package = tmp_path / "checkout" / "trajforge"  # a copy of the package, first on the path
+    package.mkdir(parents=True)
+    shutil.copy(repo / "__init__.py", package / "__init__.py")
+    for room in ("schemas", "data", "llm", "envs", "query_gen", "rollout", "critics", "guidance", "synth", "tasks",
+                 "flows"):
+        shutil.copytree(repo / room, package / room, ignore=shutil.ignore_patterns("__pycache__", "warehouse"))
+    spec = package / "envs" / "apps" / "shop" / "spec.yaml"
     spec.write_text(spec.read_text().replace("to: cart", "to: basket", 1))
     proc = subprocess.run(
         [sys.executable, "-m", "trajforge.flows.cli", "run", "nightly"], cwd=tmp_path,
-        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"},
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "300", "PYTHONPATH": str(package.parent)},
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert str(spec) in proc.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,8 +66,9 @@ def test_serve_registers_the_schedule_and_runs_the_nightly_flow(tmp_path, prefec
     (tmp_path / "trajforge.yaml").write_text(
         "query_gen:\n  apps: [shop]\n  num_queries: 2\n  atomic_per_app: 0\n  deep_search_apps: []\nrollout:\n  policy: replay\nschedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
     )
-    serve = subprocess.Popen(
-        [trajforge_cli, "serve"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    serve = subprocess.Popen(  # in its own process group: the flow runs it starts must end with it
+        [trajforge_cli, "serve"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         def registered() -> bool:
@@ -82,8 +84,12 @@ def test_serve_registers_the_schedule_and_runs_the_nightly_flow(tmp_path, prefec
         assert run.returncode == 0, run.stdout + run.stderr
         assert "Completed" in run.stdout
     finally:
-        serve.terminate()
-        serve.wait(timeout=30)
+        os.killpg(serve.pid, signal.SIGTERM)
+        try:
+            serve.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(timeout=30)
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
     assert ws.catalog.load("verdicts").height == 2
     assert [t for i in ws.catalog.history("episodes") for t in i.tags if t.startswith("nightly-")]
