@@ -64,7 +64,11 @@ def prefect_server(tmp_path):
 def test_serve_registers_the_schedule_and_runs_the_nightly_flow(tmp_path, prefect_server, chromium, trajforge_cli):
     env, prefect = prefect_server
     (tmp_path / "trajforge.yaml").write_text(
-        "query_gen:\n  apps: [shop]\n  num_queries: 2\n  atomic_per_app: 0\n  deep_search_apps: []\nrollout:\n  policy: replay\nschedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
+        "query_gen:\n  apps: [shop]\n  num_queries: 2\n  atomic_per_app: 0\n  deep_search_apps: []\nrollout:\n  policy: replay\n"
+        # Rule critics: this test is about the schedule and the served run; with the embedded model judging
+        # every step (about 3.5 minutes on 2 cores) the run outlasted the watch on a busy machine.
+        "critics:\n  step_critic: rules\n  text_channel: false\n"
+        "schedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
     )
     serve = subprocess.Popen(  # in its own process group: the flow runs it starts must end with it
         [trajforge_cli, "serve"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
