@@ -176,7 +176,7 @@ def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
     lineage = ws.catalog.lineage("episodes", snapshot)
     if lineage is None:
         raise LookupError(f"episodes@{snapshot} has no lineage, so its steps and queries cannot be found")
-    steps_snapshot = ws.catalog.snapshot_of_commit("steps", f"{lineage.run_id}:{lineage.stage}:steps")
+    steps_snapshot = ws.catalog.written_with("steps", lineage)
     steps, _ = ws.catalog.rows_added("steps", steps_snapshot)
     queries_snapshot = lineage.inputs["queries"]
     queries = {q["query_id"]: Query.model_validate(q) for q in ws.catalog.load("queries", queries_snapshot).to_dicts()}

@@ -187,6 +187,12 @@ def _file_uri(path: str | Path) -> str:
     return Path(text).resolve().as_uri()
 
 
+def commit_key(run_id: str, stage: str, table: str) -> str:
+    """The key a stage run's commit of one table carries: a rerun finds its own commit by it, and a reader
+    finds the tables one stage run wrote together (`Catalog.written_with`)."""
+    return f"{run_id}:{stage}:{table}"
+
+
 def _commit_file_stem(commit_key: str) -> str:
     """A file name derived from the commit key, so a rerun of a crashed commit rewrites the same file."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", commit_key).strip("._")[:80]
@@ -550,12 +556,14 @@ class Catalog:
             frame = frame.filter(pl.col("run_id") == lineage.run_id)
         return frame, snapshot
 
-    def snapshot_of_commit(self, table: str, commit_key: str) -> int:
-        """The version a stage committed under `commit_key` (run:stage:table), found through lineage."""
+    def written_with(self, table: str, lineage: Lineage) -> int:
+        """The version of `table` that the stage run behind `lineage` committed alongside it (its steps beside
+        its episodes, say), found by its commit key."""
+        key = commit_key(lineage.run_id, lineage.stage, table)
         for info in self.history(table):
-            if info.lineage is not None and info.lineage.commit_key == commit_key:
+            if info.lineage is not None and info.lineage.commit_key == key:
                 return info.snapshot_id
-        raise LookupError(f"table {table!r} has no version committed as {commit_key!r}")
+        raise LookupError(f"table {table!r} has no version committed as {key!r}")
 
     def lineage(self, table: str, version: int | str | None = None) -> Lineage | None:
         """The lineage of one version (latest when None); None if it was not written by a stage."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from trajforge.critics.stage import EpisodeUnit, load_episodes
+from trajforge.data.catalog import Lineage
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.records import Episode, Query, QueryAttempt, ReplayEntry, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
@@ -95,8 +96,9 @@ class HistoryUnit:
     """Judged episodes the history holds already: a rerun of the stage counts nothing twice."""
 
 
-def load_judged(ws: Workspace, snapshot: int | None) -> tuple[list[tuple[EpisodeUnit, bool]], dict[str, int], str]:
-    """The judged episodes of one verdicts version with their success, the snapshots read, and the run that judged."""
+def load_judged(ws: Workspace, snapshot: int | None) -> tuple[list[tuple[EpisodeUnit, bool]], dict[str, int], Lineage]:
+    """The judged episodes of one verdicts version with their success, the snapshots read, and the verdicts'
+    lineage (the critics run that judged them)."""
     verdicts, snapshot = ws.catalog.rows_added("verdicts", snapshot)
     lineage = ws.catalog.lineage("verdicts", snapshot)
     if lineage is None:
@@ -104,7 +106,7 @@ def load_judged(ws: Workspace, snapshot: int | None) -> tuple[list[tuple[Episode
     episodes = load_episodes(ws, lineage.inputs["episodes"])
     success = dict(verdicts.select("episode_id", "success").iter_rows())
     judged = [(u, success[u.episode.episode_id]) for u in episodes.units if u.episode.episode_id in success]
-    return judged, episodes.snapshots | {"verdicts": snapshot}, f"{lineage.run_id}:{lineage.stage}"
+    return judged, episodes.snapshots | {"verdicts": snapshot}, lineage
 
 
 def load_history_units(ws: Workspace, snapshot: int | None) -> Inputs[HistoryUnit]:

@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from trajforge.envs.kinds import kind_for
+from trajforge.critics.stage import checker_for
 from trajforge.guidance.distill import Describer, guidance_row
 from trajforge.guidance.history import STEP_FIELDS, buffer_entry, hardness
 from trajforge.llm.workspace import Workspace
@@ -181,8 +181,8 @@ def run_guidance(units: list[HardQuery], ws: Workspace, run_id: str, _: str) -> 
             if episode.status == "env_fault":
                 continue
             q = by_id[episode.query_id]
-            ok, _ = kind_for(q.app).check(q.checker, json.loads(q.checker_params_json),
-                                          json.loads(episode.final_state_json))
+            ok, _ = checker_for(q.app)(q.checker, json.loads(q.checker_params_json),
+                                       json.loads(episode.final_state_json))
             results.append((episode, steps.get(episode.episode_id, []), ok))
         return results
 

@@ -105,8 +105,8 @@ def _sample(ep: Episode, step: Step, label: str, summary: str, history: list[str
 
 def load_export_units(ws: Workspace, snapshot: int | None) -> Inputs[ExportUnit]:
     """Judged episodes of one verdicts version with their step critics' labels."""
-    judged, snapshots, judged_by = load_judged(ws, snapshot)
-    critiques_snapshot = ws.catalog.snapshot_of_commit("step_critiques", f"{judged_by}:step_critiques")
+    judged, snapshots, verdicts = load_judged(ws, snapshot)
+    critiques_snapshot = ws.catalog.written_with("step_critiques", verdicts)
     critiques, _ = ws.catalog.rows_added("step_critiques", critiques_snapshot)
     labels = {r["step_id"]: StepLabel(r["label"], r["summary"])
               for r in critiques.select("step_id", "label", "summary").to_dicts()}

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from trajforge.data.catalog import Lineage, write_parquet_atomic
+from trajforge.data.catalog import Lineage, commit_key, write_parquet_atomic
 from trajforge.data.ledger import ShardRecord
 from trajforge.llm.workspace import Workspace, code_version
 from trajforge.schemas.ids import digest
@@ -120,7 +120,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         lineage = Lineage(
             stage=stage.name,
             run_id=run_id,
-            commit_key=f"{run_id}:{stage.name}:{table}",
+            commit_key=commit_key(run_id, stage.name, table),
             inputs=plan.inputs,
             config_hash=plan.config_hash,
             code_version=code_version(),
