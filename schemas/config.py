@@ -99,6 +99,11 @@ class QueryGenSettings(_Section):
         "scroll to reveal) aimed at real elements of the app's live pages; only operations the rollout's "
         "action space can express (rollout.viewport) are asked for.",
     )
+    atomic_pages: int = Field(
+        default=16, gt=0,
+        description="Live pages opened per app (the start page, then a seeded sample of the crawlable ones) to find "
+        "atomic operations on; each page seen is also a screen the grounding stage learns from (`pages`).",
+    )
     deep_search_apps: list[str] = Field(
         default=["writer"],
         description="Apps whose live accessibility tree is searched for menu, tab and dialog pathways "
@@ -142,6 +147,10 @@ class RolloutSettings(_Section):
         default=3, gt=0, description="Invalid actions in a row after which an episode ends as 'stalled'."
     )
     viewport: Literal["mobile", "desktop"] = "mobile"
+    reference_viewports: list[Literal["mobile", "desktop"]] = Field(
+        default=["mobile", "desktop"], min_length=1,
+        description="Viewports the reference stage records each query's reference path in: the synthesis stages "
+        "learn from both screens and both action spaces.")
     contexts: int = Field(default=2, gt=0, description="Browser contexts run in parallel.")
     episodes_per_shard: int = Field(default=4, gt=0, description="Episodes per resumable unit of work.")
     action_timeout_s: float = Field(default=10.0, gt=0)
@@ -302,6 +311,55 @@ class GuidanceSettings(_Section):
     )
 
 
+class SynthSettings(_Section):
+    """Data synthesis (paper 2.2.2): grounding, action semantics and planning data from recorded screens."""
+
+    ocr_backend: Literal["rapidocr", "paddleocr"] = Field(
+        default="rapidocr",
+        description="rapidocr ships PP-OCR models in its wheel and runs offline; paddleocr needs its model folders "
+        "(`paddle_det_dir`, `paddle_rec_dir`).",
+    )
+    paddle_det_dir: Path | None = Field(default=None, description="PaddleOCR text detection model folder.")
+    paddle_rec_dir: Path | None = Field(default=None, description="PaddleOCR text recognition model folder.")
+    writer: Literal["model", "template"] = Field(
+        default="model",
+        description="model: the model rephrases requests, names regions, describes actions, writes manuals and "
+        "plans (within the budgets below); template: no model call at all: template requests and manuals, no "
+        "region names, action descriptions or plans (fast, for tests).")
+    model: str | None = Field(default=None, description="The llm model of the synthesis stages; default llm.default.")
+    vision_model: str | None = Field(
+        default=None,
+        description="An llm endpoint that sees images: element grounding then also gets appearance and layout "
+        "descriptions; None: descriptions come from the accessibility tree alone.",
+    )
+    rephrase_per_shard: int = Field(
+        default=2, ge=0, description="Element instructions per shard of screens the model rephrases (a model call "
+        "each; with `vision_model` it also describes the element's appearance and layout); the rest keep the "
+        "template instruction.")
+    sam_checkpoint: Path | None = Field(
+        default=None, description="A segment-anything checkpoint: dense regions come from its automatic mask "
+        "generator; None: from contours of the image itself (OpenCV).")
+    sam_model_type: Literal["vit_b", "vit_l", "vit_h"] = "vit_b"
+    regions_per_shard: int = Field(
+        default=2, ge=0, description="Dense regions per shard of screens the model grounds (names what is inside; a "
+        "model call each).")
+    iou_threshold: float = Field(
+        default=0.5, ge=0, le=1, description="tau_g: an annotation whose box overlaps its independent detection less "
+        "than this is dropped.")
+    semantics_votes: int = Field(
+        default=3, gt=0, description="k: descriptions sampled per action; the best-scoring one is kept with all scores.")
+    described_per_shard: int = Field(
+        default=1, ge=0, description="Steps per shard of episodes given a tier-2 description (k votes and k checks, "
+        "model calls each); every valid step gets a tier-1 row.")
+    manual_trials: int = Field(
+        default=1, ge=0, description="Queries per manual rerun with the manual as guidance to measure its value.")
+    measured_manuals_per_app: int = Field(
+        default=1, ge=0, description="Families per app whose new manual is measured by rerunning its queries with it "
+        "(`manual_trials` policy episodes each).")
+    plans_per_app: int = Field(default=1, ge=0, description="Complex tasks the model proposes and plans per app.")
+    screens_per_shard: int = Field(default=25, gt=0, description="Screens per resumable unit of grounding work.")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", yaml_file=None
@@ -315,6 +373,7 @@ class Settings(BaseSettings):
     llm: LLMSettings = LLMSettings()
     loop: LoopSettings = LoopSettings()
     guidance: GuidanceSettings = GuidanceSettings()
+    synth: SynthSettings = SynthSettings()
 
     @classmethod
     def settings_customise_sources(

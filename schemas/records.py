@@ -106,6 +106,14 @@ class Episode(Record):
     guidance_id: str | None = Field(
         default=None, description="The guidance row (table guidance) offered to the policy for this query; None: unguided."
     )
+    source: Literal["policy", "reference"] | None = Field(
+        default="policy", description="reference: the query's reference path replayed (stage `reference`), correct "
+        "by construction; policy: the configured policy acted (None in rows written before this field).")
+    query_version: str | None = Field(
+        default=None, description="Hash of the query and its app spec: a reference episode is reused while it holds.")
+    success: bool | None = Field(
+        default=None, description="The query's checker on the final state, where the stage that wrote the episode "
+        "ran it (reference episodes); None: the critics judge it.")
 
     _json = field_validator("final_state_json")(_check_json)
 
@@ -163,6 +171,22 @@ class Step(Record):
     )
 
     _json = field_validator("action_json")(_check_json)
+
+
+class Page(Record):
+    """A screen query generation saw while it explored an app's live pages: grounding learns from it too."""
+
+    table: ClassVar[str] = "pages"
+    key: ClassVar[str] = "screenshot"
+
+    screenshot: str = Field(description="sha256 of the screenshot blob.")
+    app: str
+    viewport: str
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    url: str
+    title: str
+    ax_tree: str = Field(description="The accessibility tree as rendered in step rows (`envs.axtree.render`).")
 
 
 class StepCritique(Record):
@@ -310,7 +334,140 @@ class TrainingStep(Record):
     _json = field_validator("messages_json")(_check_json)
 
 
+Box = list[float]
+"""[x, y, width, height] in pixels of the screenshot as stored (and as sent to the policy)."""
+
+
+class GroundingSample(Record):
+    """One grounding annotation of one screen (paper 2.2.2, Figure 5): an element, a word, a character or a region."""
+
+    table: ClassVar[str] = "grounding"
+    key: ClassVar[str] = "sample_id"
+
+    sample_id: str
+    screenshot: str = Field(description="sha256 of the screenshot blob.")
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    app: str
+    url: str
+    step_id: str | None = Field(
+        description="A step whose screenshot this is (the first seen); None for a page query generation visited.")
+    kind: Literal["element", "word", "char", "region"]
+    box: Box
+    point: list[float] = Field(description="[x, y]: the answer, the box's centre, in screenshot pixels.")
+    role: str | None = Field(default=None, description="Element: its accessible role.")
+    name: str | None = Field(default=None, description="Element: its accessible name.")
+    text: str | None = Field(default=None, description="Word, char: the text the OCR read; region: what the model named.")
+    description: str = Field(description="What the element does or is, as a sentence (functional description).")
+    instruction: str = Field(description="The task-oriented request whose answer is `point`.")
+    instruction_mode: Literal["template", "model", "fallback"] = Field(
+        description="model: rephrased by the model; fallback: the model's rephrasing lost the element's name, so "
+        "the template is kept.")
+    description_mode: Literal["ax", "ocr", "vision", "region"] = Field(
+        description="What made the description: the accessibility tree, the OCR, a vision model, or a region proposer.")
+    detector: str | None = Field(
+        default=None, description="The independent detection the box was checked against (ocr, contours, sam), if any.")
+    iou: float | None = Field(default=None, description="IoU with that detection (kept rows: at least synth.iou_threshold).")
+    model_id: str | None = None
+    prompt_version: str | None = None
+
+
+class ActionSemantics(Record):
+    """What an action is and does (paper 2.2.2): tier 1 ("action") the action from before and after screens; tier 2 a
+    description of the action and its effect, the best of k votes."""
+
+    table: ClassVar[str] = "action_semantics"
+    key: ClassVar[str] = "semantics_id"
+
+    semantics_id: str
+    step_id: str
+    episode_id: str
+    tier: Literal["action", "description"] = Field(description="action: tier 1 (before + after -> the action); description: tier 2.")
+    screenshot_before: str
+    screenshot_after: str
+    annotated_screenshot: str | None = Field(
+        default=None, description="Tier 2: sha256 of the before screenshot with the action drawn on it.")
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    action_type: str
+    action_json: str
+    target_role: str | None = None
+    target_name: str | None = None
+    description: str | None = Field(default=None, description="Tier 2: the action and its effect, the kept vote.")
+    votes_json: str | None = Field(
+        default=None, description="Tier 2: [{description, score, consistent, raw_output}] for every vote.")
+    model_id: str | None = None
+    prompt_version: str | None = None
+
+    _json = field_validator("action_json")(_check_json)
+
+
+class Manual(Record):
+    """A task manual per app and task family, distilled from successful trajectories, with its measured value."""
+
+    table: ClassVar[str] = "manuals"
+    key: ClassVar[str] = "manual_id"
+
+    manual_id: str
+    app: str
+    family: str = Field(description="The task family: the query source and goal page, e.g. 'page_graph:compose'.")
+    text: str
+    episodes: list[str] = Field(description="The successful episodes it was distilled from.")
+    trial_queries: list[str] = Field(description="The queries rerun with the manual as guidance.")
+    success_before: float | None = Field(description="Their success rate before (query history); None: never tried.")
+    success_with: float | None = Field(description="Their success rate rerun with the manual; None: not measured.")
+    trial_episodes: list[str] = Field(default_factory=list, description="The episodes of those reruns.")
+    mode: Literal["model", "template", "fallback"] = Field(
+        description="Who wrote `text`: the model, the template (synth.writer: template), or the template because "
+        "the model's answer was unusable.")
+    model_id: str
+    prompt_version: str
+
+
+class Plan(Record):
+    """A plan for a complex task over an app's features, each step checked against the app's page graph."""
+
+    table: ClassVar[str] = "plans"
+    key: ClassVar[str] = "plan_id"
+
+    plan_id: str
+    app: str
+    task: str
+    steps: list[str]
+    pages: list[str] = Field(description="The page-graph pages the steps name, in order.")
+    raw_output: str
+    model_id: str
+    prompt_version: str
+
+
+class ChatSample(Record):
+    """A training sample in the chat format of `train_e2e` (Qwen2.5-VL messages, PNG images in order)."""
+
+    key: ClassVar[str] = "sample_id"
+
+    sample_id: str
+    source_id: str = Field(description="The row of the synthesis table it was made from.")
+    messages_json: str = Field(description="[{role, content: [{type: text, text} | {type: image}]}].")
+    images: list[bytes]
+    tag: str
+
+    _json = field_validator("messages_json")(_check_json)
+
+
+class GroundingChat(ChatSample):
+    table: ClassVar[str] = "train_grounding"
+
+
+class SemanticsChat(ChatSample):
+    table: ClassVar[str] = "train_semantics"
+
+
+class PlanningChat(ChatSample):
+    table: ClassVar[str] = "train_planning"
+
+
 RECORDS: dict[str, type[Record]] = {
     m.table: m
-    for m in (Query, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep)
+    for m in (Query, Page, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep,
+              GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat)
 }

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from trajforge.schemas.config import Settings
+from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Record
 
 WriteMode = Literal["append", "overwrite"]
@@ -34,6 +35,9 @@ class Inputs(Generic[U]):
     snapshots: dict[str, int] = field(default_factory=dict)
     fingerprint: str = ""
     """What else the output depends on (e.g. app spec files, a demonstrations file), for the config hash."""
+    stats: Counter[str] = field(default_factory=Counter)
+    """What loading left out and why (work already done by an earlier run, inputs that do not apply): it goes
+    into the lineage beside the shards' own counts."""
 
 
 @dataclass
@@ -47,6 +51,12 @@ class StageOutput:
     """Counts that are not drops (coverage, fallbacks, what could not be checked); summed over shards."""
     models: dict[str, str] = field(default_factory=dict)
     prompts: dict[str, str] = field(default_factory=dict)
+
+
+def config_hash(settings: Settings, sections: tuple[str, ...], fingerprint: str = "") -> str:
+    """What a stage's output depends on besides its input rows: its config sections and its inputs' fingerprint.
+    The runner records it in the lineage; a loader can compare it with earlier versions' to skip work done."""
+    return digest(f"{settings.section_hash(*sections)}:{fingerprint}")
 
 
 @dataclass(frozen=True)
