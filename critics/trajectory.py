@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trajforge.llm import Gateway, GatewayError, load_prompt
 from trajforge.llm.messages import ImagePart
-from trajforge.llm.ocr import ocr_lines
+from trajforge.llm.ocr import OcrReader
 
 Answer = Literal["success", "failure"]
 Rule = Literal["checker_first", "paper", "k_of_n"]
@@ -59,11 +59,11 @@ def not_asked(reason: str) -> ChannelAnswer:
     return ChannelAnswer(answer=None, reason=f"not asked: {reason}", model_id="none", asked=False)
 
 
-def caption(png: bytes | None) -> str:
+def caption(png: bytes | None, reader: OcrReader) -> str:
     """The final screen as text for a text-only model: the OCR'd text boxes, top to bottom."""
     if png is None:
         return "(no screenshot: the episode took no step)"
-    texts = [line.rsplit(" @ ", 1)[0].strip('"') for line in ocr_lines(png)]
+    texts = [line.rsplit(" @ ", 1)[0].strip('"') for line in reader.lines(png)]
     return " | ".join(texts)[:MAX_CAPTION_CHARS] or "(no text on the screen)"
 
 
@@ -86,7 +86,7 @@ def text_channel(
     gateway: Gateway, model: str | None, task: str, summaries: list[str], final_png: bytes | None
 ) -> ChannelAnswer:
     """pi_text: the model reads the final screen's caption and the step summaries."""
-    return _ask(gateway, model, TEXT_PROMPT, task=task, summaries=summaries, caption=caption(final_png))
+    return _ask(gateway, model, TEXT_PROMPT, task=task, summaries=summaries, caption=caption(final_png, gateway.ocr))
 
 
 def multimodal_channel(

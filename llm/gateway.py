@@ -79,8 +79,11 @@ class Gateway:
     `blobs` resolves images given by hash.
     """
 
-    def __init__(self, settings: LLMSettings, *, db_url: str | None = None, blobs: BlobStore | None = None) -> None:
+    def __init__(self, settings: LLMSettings, *, db_url: str | None = None, blobs: BlobStore | None = None,
+                 ocr_reader: ocr.OcrReader | None = None) -> None:
         self.settings = settings
+        self.ocr = ocr_reader or ocr.reader_for(None, db_url)
+        """Renders screenshots as text for text-only models; shared with the critics and synthesis."""
         self.blobs = blobs
         self.backends: dict[str, Backend] = {"local": LocalBackend(settings.local)}
         for name, endpoint in settings.endpoints.items():
@@ -95,7 +98,8 @@ class Gateway:
     def from_settings(cls, settings: Settings) -> Gateway:
         """The gateway of a configuration, its cache in the catalog database and its blobs in the warehouse."""
         with Catalog.from_settings(settings.warehouse) as catalog:
-            return cls(settings.llm, db_url=catalog.uri, blobs=BlobStore(catalog.warehouse / "blobs"))
+            return cls(settings.llm, db_url=catalog.uri, blobs=BlobStore(catalog.warehouse / "blobs"),
+                       ocr_reader=ocr.reader_for(settings.synth, catalog.uri))
 
     # ------------------------------------------------------------------ calls
 
@@ -168,7 +172,7 @@ class Gateway:
         backend = self.backends[name]
         start = time.perf_counter()
         mode = ocr.observation_mode(messages, backend.sees_images)
-        observation = f"{mode}:{ocr.engine_id()}" if mode.startswith("ocr") else mode
+        observation = f"{mode}:{self.ocr.engine_id}" if mode.startswith("ocr") else mode
         key = cache_key(backend.model_id, prompt.template, prompt.version, messages, sampling, observation)
         about: dict[str, Any] = dict(
             template=prompt.template,
@@ -251,7 +255,7 @@ class Gateway:
             )
             for m in messages
         ]
-        return ocr.as_text(with_bytes) if mode.startswith("ocr") else with_bytes
+        return self.ocr.as_text(with_bytes) if mode.startswith("ocr") else with_bytes
 
     # ------------------------------------------------------------------ lifetime
 

@@ -1,56 +1,296 @@
-"""What a text-only model is shown in place of a screenshot: its OCR text and accessibility tree.
+"""OCR of screenshots: text lines with word and character boxes, read once per image per warehouse.
 
-rapidocr ships its PP-OCR models inside the wheel, so this runs on a fresh machine with
-no download (0.5 s for a 1024x600 page, shared/FACTS.md). Each text box is given with
-the pixel position of its centre, so a text-only model can still name where to click.
+Two users share it: a text-only model is shown a screenshot as its OCR text (one line per
+text box, `"text" @ (x, y)` with the box centre in pixels, so it can still name where to
+click), and the grounding stage turns word and character boxes into training rows. Both
+read through one `OcrReader`, which keeps every result in the catalog's database keyed by
+the screenshot's sha256 and the engine, so a screen the critics OCR'd is not OCR'd again by
+synthesis, nor by a rerun (`engine_runs` counts the engine's real runs).
+
+rapidocr ships its PP-OCR models inside the wheel, so the default runs on a fresh machine
+with no download (about 0.5-1.5 s a screen on 2 cores). One engine run with
+`return_single_char_box` gives character boxes; word boxes are their unions between the
+spaces of the line's text (asking for word boxes too would run recognition twice).
+PaddleOCR is the alternative backend where it and its model folders are installed.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import io
+import json
 import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
 
 from trajforge.llm.calls import ObservationMode
 from trajforge.llm.local import INSTALL
 from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.schemas.config import SynthSettings
+
+Box = tuple[float, float, float, float]
+"""x, y, width, height in pixels of the image."""
+
+_meta = sa.MetaData()
+
+ocr_results = sa.Table(
+    "trajforge_ocr",
+    _meta,
+    sa.Column("sha256", sa.String(64), primary_key=True),
+    sa.Column("engine", sa.String(80), primary_key=True),
+    sa.Column("lines_json", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)
 
 
-@functools.cache
-def _engine() -> object:
-    try:
-        from rapidocr import RapidOCR
-    except ImportError as exc:
-        raise ImportError(f"rapidocr is needed to show images to a text-only model ({exc}): {INSTALL}") from exc
-    return RapidOCR(params={"Global.log_level": "error"})
+class OcrBackendMissing(ImportError):
+    """The configured OCR backend (or its model files) is not installed; the message says how to install it."""
 
 
-def engine_id() -> str:
-    """Names the OCR that rendered an observation; part of the cache key of OCR'd calls."""
+@dataclass(frozen=True)
+class OcrSpan:
+    text: str
+    box: Box
+
+
+@dataclass(frozen=True)
+class OcrLine:
+    """One text box as the engine reports it, with its words and characters."""
+
+    text: str
+    score: float
+    box: Box
+    words: tuple[OcrSpan, ...]
+    chars: tuple[OcrSpan, ...]
+
+
+def _box(points: Any) -> Box:
+    """The axis-aligned box around a four-point polygon."""
+    xs = [float(p[0]) for p in points]
+    ys = [float(p[1]) for p in points]
+    return (min(xs), min(ys), max(xs) - min(xs), max(ys) - min(ys))
+
+
+def _union(boxes: list[Box]) -> Box:
+    x0 = min(b[0] for b in boxes)
+    y0 = min(b[1] for b in boxes)
+    x1 = max(b[0] + b[2] for b in boxes)
+    y1 = max(b[1] + b[3] for b in boxes)
+    return (x0, y0, x1 - x0, y1 - y0)
+
+
+def _words(text: str, chars: tuple[OcrSpan, ...]) -> tuple[OcrSpan, ...]:
+    """Word boxes: the characters between the spaces of `text`, in order. The engine reports one box per
+    non-space character; where the counts disagree the words cannot be placed and none are given."""
+    tokens = text.split()
+    if sum(len(t) for t in tokens) != len(chars):
+        return ()
+    words, i = [], 0
+    for token in tokens:
+        words.append(OcrSpan(token, _union([c.box for c in chars[i : i + len(token)]])))
+        i += len(token)
+    return tuple(words)
+
+
+def _rapid_id() -> str:
+    """rapidocr's engine id: its wheel's version, which fixes the PP-OCR models it ships (read without loading them)."""
     try:
         return f"rapidocr-{version('rapidocr')}"
     except PackageNotFoundError:
-        raise ImportError(f"rapidocr is needed to show images to a text-only model: {INSTALL}") from None
+        raise OcrBackendMissing(f"OCR backend rapidocr is not installed: {INSTALL}") from None
 
 
-_lock = threading.Lock()  # one ONNX session, used by one thread at a time
+class _Rapid:
+    def __init__(self) -> None:
+        try:
+            from rapidocr import RapidOCR
+        except ImportError as exc:
+            raise OcrBackendMissing(f"OCR backend rapidocr is not installed ({exc}): {INSTALL}") from exc
+        self.engine = RapidOCR(params={"Global.log_level": "error"})
+        self.id = _rapid_id()
+
+    def __call__(self, png: bytes) -> list[OcrLine]:
+        result = self.engine(png, return_word_box=True, return_single_char_box=True)
+        if result.txts is None:  # no text on the image
+            return []
+        lines = []
+        for text, score, points, char_results in zip(
+            result.txts, result.scores, result.boxes, result.word_results, strict=True
+        ):
+            chars = tuple(OcrSpan(c, _box(p)) for c, _, p in char_results if c.strip())
+            lines.append(OcrLine(text, float(score), _box(points), _words(text, chars), chars))
+        return lines
 
 
-@functools.lru_cache(maxsize=256)
-def ocr_lines(png: bytes) -> tuple[str, ...]:
-    """One line per text box, top to bottom: `"text" @ (x, y)` with the box centre in pixels.
+class _Paddle:
+    """PaddleOCR on local model folders (it cannot download its models on a closed network)."""
 
-    Cached by content: the policy and each critic look at the same screenshot.
-    """
-    with _lock:
-        result = _engine()(png)  # type: ignore[operator]
-    if result.txts is None:  # no text on the image
-        return ()
-    boxes = [
-        (float(sum(p[1] for p in box) / 4), float(sum(p[0] for p in box) / 4), text)
-        for box, text in zip(result.boxes, result.txts, strict=True)
-    ]
-    return tuple(f'"{text}" @ ({round(x)}, {round(y)})' for y, x, text in sorted(boxes))
+    def __init__(self, det_dir: Path | None, rec_dir: Path | None) -> None:
+        try:
+            from paddleocr import PaddleOCR
+        except ImportError as exc:
+            raise OcrBackendMissing(
+                f"OCR backend paddleocr is not installed ({exc}): pip install paddleocr paddlepaddle"
+            ) from exc
+        if det_dir is None or rec_dir is None or not Path(det_dir).is_dir() or not Path(rec_dir).is_dir():
+            raise OcrBackendMissing(
+                "OCR backend paddleocr needs its model folders: set synth.paddle_det_dir and synth.paddle_rec_dir "
+                f"to PP-OCR detection and recognition model directories (got {det_dir}, {rec_dir})"
+            )
+        self.engine = PaddleOCR(text_detection_model_dir=str(det_dir), text_recognition_model_dir=str(rec_dir),
+                                return_word_box=True)
+        self.id = f"paddleocr-{version('paddleocr')}:{Path(det_dir).name}:{Path(rec_dir).name}"
+
+    def __call__(self, png: bytes) -> list[OcrLine]:
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(io.BytesIO(png)) as image:
+            array = np.asarray(image.convert("RGB"))
+        lines = []
+        for page in self.engine.predict(array):
+            for text, score, poly, char_texts, char_boxes in zip(
+                page["rec_texts"], page["rec_scores"], page["rec_polys"],
+                page.get("text_word", [[]] * len(page["rec_texts"])),
+                page.get("text_word_boxes", [[]] * len(page["rec_texts"])), strict=False,
+            ):
+                chars = tuple(OcrSpan(c, _box([(b[0], b[1]), (b[2], b[3])])) for c, b in zip(char_texts, char_boxes)
+                              if c.strip())
+                lines.append(OcrLine(text, float(score), _box(poly), _words(text, chars), chars))
+        return lines
+
+
+def _decode(lines_json: str) -> tuple[OcrLine, ...]:
+    def span(d: dict[str, Any]) -> OcrSpan:
+        return OcrSpan(d["text"], tuple(d["box"]))  # type: ignore[arg-type]
+
+    return tuple(
+        OcrLine(d["text"], d["score"], tuple(d["box"]), tuple(map(span, d["words"])), tuple(map(span, d["chars"])))  # type: ignore[arg-type]
+        for d in json.loads(lines_json)
+    )
+
+
+class OcrReader:
+    """Reads screenshots through one engine, each distinct image once: an in-memory LRU in front of the
+    `trajforge_ocr` table of the catalog's database (None: memory only)."""
+
+    def __init__(self, backend: str = "rapidocr", *, db_url: str | None = None, paddle_det_dir: Path | None = None,
+                 paddle_rec_dir: Path | None = None, memory: int = 256) -> None:
+        self.backend = backend
+        self._paddle_dirs = (paddle_det_dir, paddle_rec_dir)
+        self._engine_lock = threading.Lock()  # one ONNX session, used by one thread at a time
+        self._memory: OrderedDict[str, tuple[OcrLine, ...]] = OrderedDict()
+        self._memory_size = memory
+        self._db = sa.create_engine(db_url) if db_url else None
+        if self._db is not None:
+            _meta.create_all(self._db)
+        self.engine_runs = 0
+        """How many times the engine really ran in this process (a miss of both caches)."""
+
+    @functools.cached_property
+    def _engine(self) -> _Rapid | _Paddle:
+        if self.backend == "paddleocr":
+            return _Paddle(*self._paddle_dirs)
+        return _Rapid()
+
+    @property
+    def engine_id(self) -> str:
+        """Names the OCR that read an image; part of the cache keys of OCR results and of OCR'd model calls."""
+        if self.backend == "rapidocr":
+            return _rapid_id()
+        return self._engine.id
+
+    def read(self, png: bytes) -> tuple[OcrLine, ...]:
+        """The image's text lines, top to bottom as the engine orders them."""
+        sha = hashlib.sha256(png).hexdigest()
+        if (hit := self._memory.get(sha)) is not None:
+            self._memory.move_to_end(sha)
+            return hit
+        engine_id = self.engine_id
+        lines = self._stored(sha, engine_id)
+        if lines is None:
+            with self._engine_lock:
+                lines = self._stored(sha, engine_id)  # another thread may have read it meanwhile
+                if lines is None:
+                    lines = tuple(self._engine(png))
+                    self.engine_runs += 1
+                    self._store(sha, engine_id, lines)
+        self._memory[sha] = lines
+        if len(self._memory) > self._memory_size:
+            self._memory.popitem(last=False)
+        return lines
+
+    def _stored(self, sha: str, engine_id: str) -> tuple[OcrLine, ...] | None:
+        if self._db is None:
+            return None
+        with self._db.connect() as conn:
+            row = conn.execute(sa.select(ocr_results.c.lines_json).where(
+                ocr_results.c.sha256 == sha, ocr_results.c.engine == engine_id)).first()
+        return None if row is None else _decode(row.lines_json)
+
+    def _store(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
+        if self._db is None:
+            return
+        row = dict(sha256=sha, engine=engine_id, lines_json=json.dumps([asdict(line) for line in lines]),
+                   created_at=datetime.now(timezone.utc))
+        try:
+            with self._db.begin() as conn:
+                conn.execute(ocr_results.insert().values(**row))
+        except sa.exc.IntegrityError:  # another process stored the same image first: same answer
+            pass
+
+    def lines(self, png: bytes) -> tuple[str, ...]:
+        """One line per text box, top to bottom: `"text" @ (x, y)` with the box centre in pixels."""
+        boxes = sorted((line.box[1] + line.box[3] / 2, line.box[0] + line.box[2] / 2, line.text)
+                       for line in self.read(png))
+        return tuple(f'"{text}" @ ({round(x)}, {round(y)})' for y, x, text in boxes)
+
+    def as_text(self, messages: list[Message]) -> list[Message]:
+        """The messages with every image replaced by its OCR text (and accessibility tree)."""
+        out: list[Message] = []
+        index = 0
+        for message in messages:
+            parts: list[TextPart | ImagePart] = []
+            for part in message.content:
+                if isinstance(part, ImagePart):
+                    index += 1
+                    parts.append(self._render(part, index))
+                else:
+                    parts.append(part)
+            out.append(Message(role=message.role, content=parts))
+        return out
+
+    def _render(self, image: ImagePart, index: int) -> TextPart:
+        assert image.png is not None, "images are read from the blob store before rendering"
+        text = [f'[Screenshot {index}, shown as OCR text: one line per text box, "text" @ (x, y) = its centre '
+                "in pixels]"]
+        text += list(self.lines(image.png)) or ["(no text found)"]
+        if image.ax_tree:
+            text += [f"[Accessibility tree of screenshot {index}]", image.ax_tree]
+        return TextPart(text="\n".join(text))
+
+
+_readers: dict[tuple[Any, ...], OcrReader] = {}
+_readers_lock = threading.Lock()
+
+
+def reader_for(settings: SynthSettings | None = None, db_url: str | None = None) -> OcrReader:
+    """The process's one reader for a backend configuration and database: its memory and engine are shared
+    by the gateway, the critics and the synthesis stages."""
+    cfg = settings or SynthSettings()
+    key = (cfg.ocr_backend, cfg.paddle_det_dir, cfg.paddle_rec_dir, db_url)
+    with _readers_lock:
+        if key not in _readers:
+            _readers[key] = OcrReader(cfg.ocr_backend, db_url=db_url, paddle_det_dir=cfg.paddle_det_dir,
+                                      paddle_rec_dir=cfg.paddle_rec_dir)
+        return _readers[key]
 
 
 def observation_mode(messages: list[Message], sees_images: bool) -> ObservationMode:
@@ -61,29 +301,3 @@ def observation_mode(messages: list[Message], sees_images: bool) -> ObservationM
     if sees_images:
         return "image"
     return "ocr+ax" if any(image.ax_tree for image in images) else "ocr"
-
-
-def _render(image: ImagePart, index: int) -> TextPart:
-    assert image.png is not None, "images are read from the blob store before rendering"
-    lines = ocr_lines(image.png)
-    text = [f'[Screenshot {index}, shown as OCR text: one line per text box, "text" @ (x, y) = its centre in pixels]']
-    text += list(lines) or ["(no text found)"]
-    if image.ax_tree:
-        text += [f"[Accessibility tree of screenshot {index}]", image.ax_tree]
-    return TextPart(text="\n".join(text))
-
-
-def as_text(messages: list[Message]) -> list[Message]:
-    """The messages with every image replaced by its OCR text (and accessibility tree)."""
-    out: list[Message] = []
-    index = 0
-    for message in messages:
-        parts: list[TextPart | ImagePart] = []
-        for part in message.content:
-            if isinstance(part, ImagePart):
-                index += 1
-                parts.append(_render(part, index))
-            else:
-                parts.append(part)
-        out.append(Message(role=message.role, content=parts))
-    return out

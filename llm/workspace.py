@@ -17,6 +17,7 @@ from trajforge.data.blobs import BlobStore
 from trajforge.data.catalog import Catalog
 from trajforge.data.ledger import Ledger
 from trajforge.llm import Gateway
+from trajforge.llm.ocr import OcrReader, reader_for
 from trajforge.schemas.config import Settings
 
 
@@ -47,6 +48,11 @@ class Workspace:
     def gateway(self) -> Gateway:
         """The model gateway, opened on first use: stages that ask no model never load one."""
         return Gateway.from_settings(self.settings)
+
+    @functools.cached_property
+    def ocr(self) -> OcrReader:
+        """The run's OCR: each screenshot read once per warehouse, shared with the gateway and the critics."""
+        return reader_for(self.settings.synth, self.catalog.uri)
 
     @classmethod
     def open(cls, settings: Settings) -> Workspace:

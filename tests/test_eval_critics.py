@@ -80,6 +80,8 @@ rollout:
 critics:
   step_critic: rules
   text_channel: false
+synth:
+  writer: template
 """
 
 

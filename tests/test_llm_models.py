@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw, ImageFont
 from trajforge.data.blobs import BlobStore
 from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
 from trajforge.llm.local import SMOLLM2_ID, load, missing_models
-from trajforge.llm.ocr import as_text
+from trajforge.llm.ocr import OcrReader
 from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_settings
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
@@ -133,7 +133,7 @@ def test_screenshot_becomes_ocr_text_and_accessibility_tree():
     reason = missing_models(embedded=False)
     require(reason is None, str(reason))
     png = screenshot("Add to cart", "Checkout")
-    [message] = as_text([Message(role="user", content=[ImagePart(png=png, ax_tree="button Checkout")])])
+    [message] = OcrReader().as_text([Message(role="user", content=[ImagePart(png=png, ax_tree="button Checkout")])])
     lines = message.text.splitlines()
     assert lines[0].startswith("[Screenshot 1, shown as OCR text")
     assert lines[1].startswith('"Add to cart" @ (') and lines[2].startswith('"Checkout" @ (')
