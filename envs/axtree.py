@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 Box = tuple[float, float, float, float]
 """x, y, width, height in screenshot pixels (the viewport's CSS pixels)."""
 
@@ -59,7 +61,8 @@ class AXNode:
     """The role as shown: Chromium's, except "text" for StaticText (Android's mapped to the same words)."""
     name: str = ""
     states: tuple[str, ...] = ()
-    """As shown, in the order shown: "checked", "checked=mixed", "level=2"..."""
+    """As shown, in the order shown: "checked", "checked=mixed", "level=2"..., and last "covered" when another
+    element was painted over the centre of its box when the tree was recorded."""
     value: str = ""
     """The value as shown (a text field's content, a slider's number); "" when none is shown."""
     box: PixelBox | None = None
@@ -86,7 +89,56 @@ def layout_boxes(snapshot: dict[str, Any]) -> dict[int, Box]:
     return boxes
 
 
-def from_cdp(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None) -> tuple[list[AXNode], Element | None]:
+def covered_ids(snapshot: dict[str, Any], candidates: Iterable[int], viewport: tuple[int, int]) -> set[int]:
+    """Of the candidate backend node ids, those whose box centre, on the screenshot (`viewport`: its width and
+    height), is painted over by another element.
+
+    This is what `document.elementFromPoint` at the centre would tell, read from the same
+    `DOMSnapshot.captureSnapshot` (taken with `includePaintOrder`) that gives the boxes: the
+    layout object painted last among those containing the centre must be the element or
+    inside it. No extra round trip per element (a `DOM.getNodeForLocation` each would cost
+    about a millisecond apiece, a step's budget on a busy page). Clipping by a scrolled
+    container is not seen, and the page's own `pointer-events` are not consulted.
+    """
+    doc = snapshot["documents"][0]
+    layout = doc["layout"]
+    paint = layout.get("paintOrders")
+    if not paint:
+        return set()
+    sx, sy = doc.get("scrollOffsetX", 0), doc.get("scrollOffsetY", 0)
+    node_index = np.asarray(layout["nodeIndex"])
+    bounds = np.asarray(layout["bounds"], dtype=float).reshape(-1, 4)
+    order = np.asarray(paint)
+    parent = doc["nodes"]["parentIndex"]
+    index_of = {b: i for i, b in enumerate(doc["nodes"]["backendNodeId"])}
+    boxes = layout_boxes(snapshot)
+    vw, vh = viewport
+    covered = set()
+    for backend_id in candidates:
+        box = boxes.get(backend_id)
+        if box is None or backend_id not in index_of or box[2] <= 0 or box[3] <= 0:
+            continue
+        cx, cy = box[0] + box[2] / 2, box[1] + box[3] / 2
+        if not (0 <= cx < vw and 0 <= cy < vh):
+            continue  # off screen: nothing paints there on the screenshot
+        dx, dy = cx + sx, cy + sy
+        inside = ((bounds[:, 0] <= dx) & (dx < bounds[:, 0] + bounds[:, 2])
+                  & (bounds[:, 1] <= dy) & (dy < bounds[:, 1] + bounds[:, 3]))
+        if not inside.any():
+            continue
+        hits = np.flatnonzero(inside)
+        # Paint order ranks stacking layers (ties within one); within a layer, later in layout order paints later.
+        top = int(node_index[hits[np.lexsort((hits, order[hits]))[-1]]])
+        target = index_of[backend_id]
+        while top != -1 and top != target:
+            top = parent[top]
+        if top == -1:
+            covered.add(backend_id)
+    return covered
+
+
+def from_cdp(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None,
+             covered: set[int] | None = None) -> tuple[list[AXNode], Element | None]:
     """The shown nodes of a CDP `Accessibility.getFullAXTree`, and the focused element.
 
     Ignored nodes are skipped but their children kept (one level up); unnamed layout
@@ -94,9 +146,11 @@ def from_cdp(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None) -
     are dropped, so the tree reads like what a person sees. The box, where the node has
     a layout, is where it is on the screenshot (off-screen boxes say how far to scroll).
     The focused element keeps Chromium's role and the unrounded box: it is a step's
-    target, recorded as such.
+    target, recorded as such. A node in `covered` (see `covered_ids`) gets the state
+    "covered": it is on screen but another element is painted over its centre.
     """
     boxes = boxes or {}
+    covered = covered or set()
     by_id = {n["nodeId"]: n for n in nodes}
     roots = [n for n in nodes if not n.get("parentId") or n["parentId"] not in by_id]
     shown_nodes: list[AXNode] = []
@@ -124,6 +178,8 @@ def from_cdp(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None) -
                     states.append(f"{key}=mixed")
                 elif val in (True, "true"):
                     states.append(key)
+            if node.get("backendDOMNodeId", -1) in covered:
+                states.append("covered")
             box = boxes.get(node.get("backendDOMNodeId", -1))
             if props.get("focused") and role != "RootWebArea":
                 focused = Element(role, name, box)
@@ -156,7 +212,7 @@ def render(nodes: Iterable[AXNode]) -> str:
     return "\n".join(lines)
 
 
-_TAIL = (r'(?P<states>(?: \[(?:level=[^\]]*|(?:checked|selected|expanded|disabled|focused)(?:=mixed)?)\])*)'
+_TAIL = (r'(?P<states>(?: \[(?:level=[^\]]*|(?:checked|selected|expanded|disabled|focused|covered)(?:=mixed)?)\])*)'
          r'(?:: (?P<value>.+?))?(?: \((?P<box>-?\d+,-?\d+,-?\d+,-?\d+)\))?')
 _FIRST_QUOTE = re.compile(rf'(?P<indent>(?:  )*)(?P<role>[^\s":]+)(?: "(?P<name>.+?)")?{_TAIL}', re.DOTALL)
 _LAST_QUOTE = re.compile(rf'(?P<indent>(?:  )*)(?P<role>[^\s":]+)(?: "(?P<name>.+)")?{_TAIL}', re.DOTALL)

@@ -31,7 +31,7 @@ import inspect
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -50,7 +50,7 @@ from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
 from trajforge.envs import actions
 from trajforge.envs.apps import SESSION_COOKIE
-from trajforge.envs.axtree import AXNode, Box, Element, cdp_value, from_cdp, layout_boxes, render
+from trajforge.envs.axtree import AXNode, Box, Element, cdp_value, covered_ids, from_cdp, layout_boxes, render
 
 T = TypeVar("T")
 
@@ -233,6 +233,7 @@ class BrowserEnv:
         action_timeout_s: float = 10.0,
         apps: dict[str, str] | None = None,
         host: BrowserHost | None = None,
+        on_observe: Callable[[Observation], None] | None = None,
     ) -> None:
         if viewport not in VIEWPORTS:
             raise ValueError(f"unknown viewport {viewport!r}; known: {', '.join(VIEWPORTS)}")
@@ -241,6 +242,8 @@ class BrowserEnv:
         self.space = actions.space_for(viewport)
         self.apps = dict(apps or {})
         self.timeout_s = action_timeout_s
+        self.on_observe = on_observe
+        """Handed every observation made (query generation keeps the pages it explores this way)."""
         self.width = VIEWPORTS[viewport]["viewport"]["width"]
         self.height = VIEWPORTS[viewport]["viewport"]["height"]
         self._touch = VIEWPORTS[viewport]["has_touch"]
@@ -417,14 +420,17 @@ class BrowserEnv:
         Raises EnvFault (app_down) when the page is the browser's error page: the app's
         server could not be reached.
         """
-        return self._call(self._observe(), "observe")
+        obs = self._call(self._observe(), "observe")
+        if self.on_observe is not None:
+            self.on_observe(obs)
+        return obs
 
     async def _observe(self) -> Observation:
         assert self._cdp is not None and self._page is not None
         shot, tree, snapshot = await asyncio.gather(
             self._cdp.send("Page.captureScreenshot", {"format": "png"}),
             self._cdp.send("Accessibility.getFullAXTree"),
-            self._cdp.send("DOMSnapshot.captureSnapshot", {"computedStyles": []}),
+            self._cdp.send("DOMSnapshot.captureSnapshot", {"computedStyles": [], "includePaintOrder": True}),
         )
         doc, strings = snapshot["documents"][0], snapshot["strings"]
         document_url = strings[doc["documentURL"]] if doc["documentURL"] >= 0 else ""
@@ -433,7 +439,9 @@ class BrowserEnv:
         png = base64.b64decode(shot["data"])
         width, height = png_size(png)
         boxes = layout_boxes(snapshot)
-        nodes, focused = from_cdp(tree["nodes"], boxes)
+        candidates = [n["backendDOMNodeId"] for n in tree["nodes"]
+                      if not n.get("ignored") and n.get("backendDOMNodeId") in boxes]
+        nodes, focused = from_cdp(tree["nodes"], boxes, covered_ids(snapshot, candidates, (width, height)))
         self._seen = (tree["nodes"], boxes)
         title = strings[doc["title"]] if doc["title"] >= 0 else ""
         return Observation(png, width, height, self._page.url, title, tuple(nodes), focused)

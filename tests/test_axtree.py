@@ -147,3 +147,27 @@ def test_tricky_names_and_values_come_back_whole(observations: list[Observation]
         assert (body.role, body.value, "focused" in body.states) == ("textbox", 'a "b": [c]\nsecond line (3)', True)
         assert next(n for n in parsed if n.name == "Pick: one").value == 'B "b": [c]'
         assert obs.focused is not None and obs.focused.name == "Body (draft)"
+
+
+OVERLAID = """
+<button style="position:fixed;left:10px;top:300px;z-index:50">Under the overlay</button>
+<div style="position:fixed;left:0;top:280px;width:220px;height:80px;background:#fff;z-index:60"></div>
+<button style="position:fixed;left:240px;top:300px;z-index:70">In plain sight</button>
+"""
+
+
+@pytest.mark.browser
+def test_an_element_painted_over_is_marked_covered(chromium: Path) -> None:
+    app = load_app("notes")
+    with BrowserHost(chromium) as host, BrowserEnv(viewport="desktop", host=host) as env, AppServer(app) as server:
+        env.reset("covered", server.base_url + app.spec.pages[app.spec.start].url)
+        env.page.evaluate(f"document.body.insertAdjacentHTML('beforeend', {json.dumps(OVERLAID)})")
+        nodes = {n.name: n for n in parse(env.observe().ax_tree)}
+    assert "covered" in nodes["Under the overlay"].states
+    assert "covered" not in nodes["In plain sight"].states
+    sight = nodes["In plain sight"].box
+    overlay = (0, 280, 220, 80)
+    for node in nodes.values():  # what the two new things were put over, and nothing else
+        if "covered" in node.states:
+            x, y = node.box[0] + node.box[2] / 2, node.box[1] + node.box[3] / 2
+            assert any(bx <= x < bx + bw and by <= y < by + bh for bx, by, bw, bh in (overlay, sight)), node
