@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.envs.browser import Box, BrowserEnv, Observation
 from trajforge.envs.locate import MAX_SCROLLS, find_boxes, is_checked, passage_boxes
 from trajforge.envs.operations import SPACE_OPS, Operation, parse_operations
 from trajforge.envs.spec import CHECK_OPS, AppSpec
@@ -46,6 +46,16 @@ class _Step:
 
 class SlotError(ValueError):
     """The query's path or slots do not fit the spec."""
+
+
+def on_screen(box: Box, obs: Observation) -> tuple[int, int]:
+    """Where to click a box whose centre is on screen: the centre of its part that shows, in
+    whole pixels inside the screen. A menu that overflows a phone's right edge is clicked
+    where it shows, and a centre of 411.5 on a 412-pixel screen does not round off it (the
+    writer's Help menu on mobile did both, and its reference replay failed)."""
+    x, y, w, h = box
+    left, top, right, bottom = max(x, 0), max(y, 0), min(x + w, obs.width), min(y + h, obs.height)
+    return min(round((left + right) / 2), obs.width - 1), min(round((top + bottom) / 2), obs.height - 1)
 
 
 def plan(spec: AppSpec, path: list[str], slots: dict[str, str]) -> list[_Step]:
@@ -139,7 +149,8 @@ class ReplayPolicy:
             return self._scroll_towards(step.label, step.role, step.name, cx, cy, observation, env.space)
         self._scrolls = 0
         target = f'the {step.role} "{step.name}"'
-        click = {"type": "click", "x": round(cx), "y": round(cy)}
+        px, py = on_screen(boxes[0], observation)
+        click = {"type": "click", "x": px, "y": py}
         if step.checked is not None:
             self._advance()
             return self._out(click, f"{step.label}: click {target} to turn it {'on' if step.checked else 'off'}.")
@@ -181,13 +192,14 @@ class ReplayPolicy:
             return self._scroll_towards(label, op.role, op.name, cx, cy, obs, env.space)
         self._scrolls = 0
         target = f'the {op.role} "{op.name}"'
+        cx, cy = on_screen((x, y, w, h), obs)
         if op.op == "scroll_to":
             self._advance()
             return self.act(obs, env)  # scrolling was the whole operation: nothing to do on this screen
         if op.op == "type_at":
             if not self._clicked_field:
                 self._clicked_field = True
-                return self._out({"type": "click", "x": round(cx), "y": round(cy)},
+                return self._out({"type": "click", "x": cx, "y": cy},
                                  f"{label}: click {target} to type there.")
             self._advance()
             return self._out({"type": "type", "text": op.text}, f"{label}: type {op.text!r} into {target}.")
@@ -202,7 +214,7 @@ class ReplayPolicy:
             if not (0 <= dx + dw / 2 < obs.width and 0 <= dy + dh / 2 < obs.height):
                 return self._out(fail, f"{label}: the {op.to_role} {op.to_name!r} is off screen while {target} "
                                        "is on it; one drag cannot reach it.")
-            return self._out({"type": "drag", "x": round(cx), "y": round(cy), "x2": round(dx + dw / 2),
+            return self._out({"type": "drag", "x": cx, "y": cy, "x2": round(dx + dw / 2),
                               "y2": round(dy + dh / 2)},
                              f"{label}: drag {target} onto the {op.to_role} \"{op.to_name}\".")
         if op.op == "select_text":
@@ -210,7 +222,7 @@ class ReplayPolicy:
             (sx, sy), (ex, ey) = passage.start(), passage.end()
             return self._out({"type": "drag", "x": round(sx), "y": round(sy), "x2": round(ex), "y2": round(ey)},
                              f"{label}: drag across {op.text!r} in {target} to select it.")
-        point = {"x": round(cx), "y": round(cy)}
+        point = {"x": cx, "y": cy}
         if op.op == "double_click":
             what = f"the word {op.text!r} in {target}" if op.text else target
             return self._out({"type": "double_click", **point}, f"{label}: double-click {what}.")

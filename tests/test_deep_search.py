@@ -171,14 +171,18 @@ def test_replay_policy_completes_the_generated_queries(writer: BundledApp, env: 
     again = pathway_queries("writer", "editor", found, run_id="other", app_title="Writer")  # another search's
     assert [q.query_id for q in again.rows] == [q.query_id for q in rows]
 
-    episodes = rollout([q.model_dump() for q in rows], run_id="r",
-                       settings=RolloutSettings(policy="replay", viewport="desktop", contexts=1),
-                       blobs=BlobStore(tmp_path / "blobs")).rows["episodes"]
-    assert [e.query_id for e in episodes] == [q.query_id for q in rows]
-    for q, episode in zip(rows, episodes, strict=True):
-        assert episode.status == "terminated", (q.instruction, episode.fault)
-        ok, why = writer.check(q.checker, json.loads(q.checker_params_json), json.loads(episode.final_state_json))
-        assert ok, (q.instruction, why)
+    # Both viewports, as the reference stage replays them: on the phone the Help menu overflows
+    # the right edge, and its items are clicked where they show.
+    for viewport in ("desktop", "mobile"):
+        episodes = rollout([q.model_dump() for q in rows], run_id="r",
+                           settings=RolloutSettings(policy="replay", viewport=viewport, contexts=1),
+                           blobs=BlobStore(tmp_path / "blobs")).rows["episodes"]
+        assert [e.query_id for e in episodes] == [q.query_id for q in rows]
+        for q, episode in zip(rows, episodes, strict=True):
+            assert episode.status == "terminated", (viewport, q.instruction, episode.fault)
+            ok, why = writer.check(q.checker, json.loads(q.checker_params_json),
+                                   json.loads(episode.final_state_json))
+            assert ok, (viewport, q.instruction, why)
 
 
 # --------------------------------------------------------------------------- the model
