@@ -1,4 +1,4 @@
-"""The query-generation stage: bundled apps in, `queries` rows out (paper 6.2).
+"""The query-generation stage: bundled apps in, `queries` rows (and the `pages` it saw) out (paper 6.2).
 
 Per app: sample tasks on the page graph; write each instruction from its template or,
 with `instructions: model`, by model synthesis and refinement; drop near-duplicate
@@ -16,13 +16,15 @@ import json
 import logging
 import random
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+from trajforge.data.blobs import BlobStore
 from trajforge.envs.apps import AppServer, BundledApp
-from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.envs.kinds import configured_kinds, kind_for
 from trajforge.llm import Gateway
 from trajforge.llm.workspace import Workspace
@@ -34,10 +36,30 @@ from trajforge.query_gen.synthesis import Synthesiser
 from trajforge.query_gen.validation import InterfaceValidator
 from trajforge.schemas.config import QueryGenSettings
 from trajforge.schemas.ids import digest
-from trajforge.schemas.records import Query
+from trajforge.schemas.records import Page, Query
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PageLog:
+    """The distinct screens query generation observes on the live apps: their screenshots go into the blob
+    store as they are seen, and their rows into `pages`, so grounding learns from them too (paper 2.2.2)."""
+
+    blobs: BlobStore
+    run_id: str
+    rows: dict[str, Page] = field(default_factory=dict)
+
+    def watch(self, app: str, viewport: str) -> Callable[[Observation], None]:
+        """A `BrowserEnv.on_observe` hook that keeps each new screen of `app` seen in `viewport`."""
+        def keep(obs: Observation) -> None:
+            sha = self.blobs.put(obs.png).sha256
+            if sha not in self.rows:
+                self.rows[sha] = Page(run_id=self.run_id, screenshot=sha, app=app, viewport=viewport,
+                                      width=obs.width, height=obs.height, url=obs.url, title=obs.title,
+                                      ax_tree=obs.ax_tree)
+        return keep
 
 
 def _row(task: SampledTask, instruction: str, generator: str, *, run_id: str, settings: QueryGenSettings,
@@ -66,6 +88,7 @@ def generate_queries(
     gateway: Gateway | None = None,
     chromium: Path | None = None,
     viewport: Literal["mobile", "desktop"] = "mobile",
+    pages: PageLog | None = None,
 ) -> StageOutput:
     """Sample, write, deduplicate and validate the queries of each app.
 
@@ -74,7 +97,8 @@ def generate_queries(
     then deep-search queries for the apps in `settings.deep_search_apps`. `gateway` is
     needed with `settings.instructions == "model"` (it also writes deep-search commands),
     `chromium` whenever a live app is opened; a missing one is a configuration error,
-    raised before any work. An app whose graph yields fewer distinct tasks than asked is
+    raised before any work. Every screen the live apps show is kept in `pages` when one is
+    given. An app whose graph yields fewer distinct tasks than asked is
     not an error; the shortfall is counted under `dropped` so the lineage shows it.
     """
     if settings.instructions == "model" and gateway is None:
@@ -94,7 +118,7 @@ def generate_queries(
         if live:
             assert chromium is not None
             queries = _live_queries(app, settings, commander, out, queries, run_id=run_id, now=now,
-                                    chromium=chromium, viewport=viewport)
+                                    chromium=chromium, viewport=viewport, pages=pages)
         # Every new query starts with no attempts: the self-evolving loop counts from here.
         queries = [q.model_copy(update={"attempts": 0, "successes": 0}) for q in queries]
         out.stats.update(coverage(app.spec, queries))
@@ -106,6 +130,8 @@ def generate_queries(
         out.models["instruction"] = "template"
         out.prompts[TEMPLATE_GENERATOR] = "1"
     out.rows["queries"] = rows
+    if pages is not None:
+        out.rows["pages"] = list(pages.rows.values())
     return out
 
 
@@ -135,14 +161,18 @@ def _page_graph_queries(app: BundledApp, settings: QueryGenSettings, synthesiser
 
 def _live_queries(app: BundledApp, settings: QueryGenSettings, commander: Commander | None, out: StageOutput,
                   page_graph: list[Query], *, run_id: str, now: datetime, chromium: Path,
-                  viewport: Literal["mobile", "desktop"]) -> list[Query]:
+                  viewport: Literal["mobile", "desktop"], pages: PageLog | None) -> list[Query]:
     """The page-graph queries that pass interface validation, with the atomic-operation and
     deep-search queries found on the live app; each drop is counted with its reason."""
     found = list(page_graph)
-    with AppServer(app) as server, BrowserEnv(chromium=chromium, viewport=viewport) as env:
+    def watch(viewport: str) -> Callable[[Observation], None] | None:
+        return pages.watch(app.name, viewport) if pages is not None else None
+
+    with AppServer(app) as server, BrowserEnv(chromium=chromium, viewport=viewport, on_observe=watch(viewport)) as env:
         if settings.atomic_per_app:
             atomic = atomic_queries(app, server.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
-                                    space=env.space, run_id=run_id, now=now, margin=settings.step_budget_margin)
+                                    space=env.space, run_id=run_id, now=now, margin=settings.step_budget_margin,
+                                    max_pages=settings.atomic_pages)
             found += atomic.queries
             out.stats.update({f"atomic: not made: {k}": n for k, n in atomic.skipped.items()})
         if settings.validate_interface:
@@ -151,7 +181,7 @@ def _live_queries(app: BundledApp, settings: QueryGenSettings, commander: Comman
             out.dropped.update(checked.dropped)
             out.stats.update({f"validation: reached by driving a form: {k}": n for k, n in checked.driven.items()})
     if app.name in settings.deep_search_apps and settings.deep_search_queries:
-        with BrowserEnv(chromium=chromium, viewport="desktop") as env:  # menus are a desktop app's
+        with BrowserEnv(chromium=chromium, viewport="desktop", on_observe=watch("desktop")) as env:  # a desktop app's menus
             searched = deep_search_queries(app, env, run_id=run_id, commander=commander,
                                            max_depth=settings.deep_search_depth)
         rng = random.Random(f"{settings.seed}:{app.name}")
@@ -191,7 +221,7 @@ def run_query_gen(units: list[AppUnit], ws: Workspace, run_id: str, _: str) -> S
     out = generate_queries(
         [k.app for k in kinds if k.app is not None], run_id=run_id, settings=cfg,
         gateway=ws.gateway if cfg.instructions == "model" else None, chromium=ws.settings.rollout.chromium,
-        viewport=ws.settings.rollout.viewport,
+        viewport=ws.settings.rollout.viewport, pages=PageLog(ws.blobs, run_id),
     )
     for kind in kinds:
         out.rows["queries"].extend(kind.tasks(ws.settings, run_id=run_id))
@@ -203,7 +233,7 @@ STAGE = StageDef[Workspace, AppUnit](
     name="query_gen",
     key=lambda u: u.app,
     reads=None,
-    writes={"queries": "overwrite"},
+    writes={"queries": "overwrite", "pages": "overwrite"},
     sections=("query_gen", "llm"),
     load=load_apps,
     run=run_query_gen,

@@ -37,6 +37,7 @@ from urllib.parse import quote
 from playwright.sync_api import Error as PlaywrightError
 
 from trajforge.envs.browser import BrowserEnv, EnvFault
+from trajforge.envs.locate import find_boxes
 from trajforge.envs.operations import parse_operations
 from trajforge.envs.spec import AppSpec, UIAction, placeholders
 from trajforge.schemas.records import Query
@@ -193,7 +194,9 @@ class InterfaceValidator:
                 problem = self._do(op, role, name, text)
                 if problem is not None:
                     return PageVisit(load_error=f"could not be reached from {url}: {problem}")
-            return PageVisit(found={(role, name): bool(self.env.find_element(role, name))
+            # find_boxes, not env.find_element: an atomic query's element may be role "text"
+            # (a passage to select), which no ARIA role lookup finds.
+            return PageVisit(found={(role, name): bool(find_boxes(self.env, role, name))
                                     for role, name in sorted(targets)})
         except EnvFault as exc:
             return PageVisit(load_error=f"browser could not open it: {exc}")

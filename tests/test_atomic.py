@@ -21,8 +21,9 @@ from trajforge.data.blobs import BlobStore
 from trajforge.envs.apps import UI_EVENTS, AppServer, check_interaction, load_app
 from trajforge.envs.axtree import parse
 from trajforge.envs.browser import BrowserEnv
-from trajforge.envs.operations import SPACE_OPS, Operation, parse_operations
+from trajforge.envs.operations import SPACE_OPS, Operation, dump_operations, parse_operations
 from trajforge.query_gen.atomic import GENERATOR, Route, atomic_queries, ax_items, crawlable_routes
+from trajforge.query_gen.validation import InterfaceValidator
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
 from trajforge.rollout.stage import rollout
@@ -183,6 +184,25 @@ def test_replay_does_each_operation_and_the_checker_agrees(rolled: list[tuple[Qu
         assert episode.status == "terminated" and ok, f"{q.instruction}: {episode.status}, {reason}"
         assert reason.startswith(f"recorded {op_of(q).op} ")
         assert episode.num_steps <= q.max_steps
+
+
+@pytest.mark.browser
+def test_interface_validation_keeps_every_generated_query(generated: list[Query], chromium: Path,
+                                                          servers: dict[str, AppServer]) -> None:
+    """What the generator found on a live page is found again by the validator, a passage of
+    text (role "text", which no ARIA lookup finds) included; a passage that is gone is not."""
+    assert any(op_of(q).role == "text" for q in generated)
+    with BrowserEnv(viewport="desktop", chromium=chromium) as env:
+        for name, server in servers.items():
+            mine = [q for q in generated if q.app == name]
+            result = InterfaceValidator(server.app.spec, server.base_url, env).validate(mine)
+            assert result.reasons == {} and result.kept == mine
+        text = next(q for q in generated if op_of(q).role == "text")
+        gone = text.model_copy(update={"query_id": "gone", "actions_json": dump_operations(
+            [op_of(text).model_copy(update={"name": "A passage no page shows."})])})
+        server = servers[text.app]
+        result = InterfaceValidator(server.app.spec, server.base_url, env).validate([gone])
+        assert not result.kept and "'A passage no page shows.' not found" in result.reasons["gone"]
 
 
 @pytest.mark.browser
