@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import polars as pl
+
 from trajforge.critics import trajectory
 from trajforge.critics.steps import StepCritic
 from trajforge.critics.trajectory import CHECKER, MULTIMODAL, TEXT, ChannelAnswer
@@ -173,6 +175,8 @@ def checker_for(app: str) -> Checker:
 def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
     """Episodes of one version, with the steps and queries of the same rollout run."""
     episodes, snapshot = ws.catalog.rows_added("episodes", snapshot)
+    if "source" in episodes.columns:  # reference replays are checker-verified by the reference stage
+        episodes = episodes.filter(pl.col("source").is_null() | (pl.col("source") != "reference"))
     lineage = ws.catalog.lineage("episodes", snapshot)
     if lineage is None:
         raise LookupError(f"episodes@{snapshot} has no lineage, so its steps and queries cannot be found")

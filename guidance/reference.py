@@ -1,0 +1,150 @@
+"""Reference demonstrations: every validated query's reference path replayed once per query version.
+
+A page-graph, atomic or deep-search query carries the path that defines it (its pages,
+slots and `actions_json`). The replay policy walks that path in the live app, and the
+query's checker reads the app's state at the end: a success is a demonstration correct by
+construction, with screenshots, accessibility trees and pixel actions like any rollout's.
+They give the synthesis stages valid actions to learn from even when the policy model
+fails every step, and the guidance stage finds them in the replay buffer instead of
+replaying on demand.
+
+A recording is reused while it holds: the query's version is a hash of everything that
+decides the path (the query's task fields and its app's page graph), and a query whose
+version already has a reference episode in the warehouse is not replayed again.
+Reference episodes are written to `episodes` and `steps` with `source: reference`,
+`query_version` and the checker's `success`; the critics do not judge them (they read the
+rollout stage's episodes), since the checker already has.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+import polars as pl
+
+from trajforge.envs.apps import UnknownAppError
+from trajforge.envs.kinds import kind_for
+from trajforge.guidance.history import buffer_entry
+from trajforge.llm.workspace import Workspace
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.ids import digest
+from trajforge.schemas.records import Episode, Query, Step
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+
+TASK_FIELDS = ("query_id", "app", "instruction", "path", "slots_json", "checker", "checker_params_json", "actions_json",
+               "max_steps")
+"""The query fields that decide its reference path and its check (not its id, counts or timestamps)."""
+
+
+def spec_hash(app: str) -> str:
+    """A hash of the app's page graph; '' for an app without one."""
+    spec = kind_for(app).spec
+    return digest(spec.model_dump_json()) if spec is not None else ""
+
+
+def query_version(query: Query, spec: str, viewport: str) -> str:
+    """Everything that decides the query's reference episode in one viewport, hashed."""
+    fields = {f: getattr(query, f) for f in TASK_FIELDS}
+    return digest(json.dumps(fields, sort_keys=True) + spec + viewport)
+
+
+@dataclass(frozen=True)
+class ReferenceUnit:
+    """A query to replay in one viewport, with its version."""
+
+    query: Query
+    viewport: str
+    version: str
+
+
+def load_references(ws: Workspace, snapshot: int | None) -> Inputs[ReferenceUnit]:
+    """The version's queries that have a reference path and no recording of their current version yet.
+
+    Queries without a page graph (MiniWoB++ tasks, Android tasks) have no reference path; queries whose
+    version was recorded by an earlier run are reused. Both are counted in the lineage's stats.
+    """
+    queries, snapshot = ws.catalog.rows_added("queries", snapshot)
+    recorded: set[str] = set()
+    _, episodes_snapshot = ws.catalog.resolve("episodes@latest")
+    if episodes_snapshot is not None:
+        episodes = ws.catalog.load("episodes", episodes_snapshot)
+        if "query_version" in episodes.columns:
+            # an env fault (a timeout on a loaded machine) recorded nothing: its version is replayed again
+            done = episodes.filter((pl.col("source") == "reference") & (pl.col("status") != "env_fault"))
+            recorded = set(done["query_version"].drop_nulls())
+    specs: dict[str, str] = {}
+    units = []
+    stats: Counter[str] = Counter()
+    for row in queries.to_dicts():
+        query = Query.model_validate(row)
+        if query.app not in specs:
+            try:
+                specs[query.app] = spec_hash(query.app)
+            except UnknownAppError:
+                specs[query.app] = ""
+        if not specs[query.app]:
+            stats[f"{query.app} query: no page graph, so no reference path"] += 1
+            continue
+        for viewport in ws.settings.rollout.reference_viewports:
+            version = query_version(query, specs[query.app], viewport)
+            if version in recorded:
+                stats["reference reused: this query version was recorded by an earlier run"] += 1
+            else:
+                units.append(ReferenceUnit(query, viewport, version))
+    snapshots = {"queries": snapshot} | ({"episodes": episodes_snapshot} if episodes_snapshot is not None else {})
+    return Inputs(units=units, snapshots=snapshots, fingerprint=digest("".join(sorted(specs.values()))), stats=stats)
+
+
+def record_references(units: list[ReferenceUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
+    """Replay each unit's query in its viewport, check it, and keep the successes as replay-buffer entries too."""
+    out = StageOutput(rows={"episodes": [], "steps": [], "replay_buffer": []}, models={"policy": "replay"}, prompts={})
+    versions: dict[tuple[str, str], ReferenceUnit] = {}
+    for viewport in sorted({u.viewport for u in units}):
+        mine = [u for u in units if u.viewport == viewport]
+        settings = ws.settings.rollout.model_copy(update={"policy": "replay", "viewport": viewport})
+        # the policy's viewport keeps the ids references had before there were two
+        tag = "reference" if viewport == ws.settings.rollout.viewport else f"reference-{viewport}"
+        done = rollout([u.query for u in mine], run_id=f"{run_id}-{tag}", settings=settings, blobs=ws.blobs)
+        for table in ("episodes", "steps"):
+            out.rows[table] += done.rows[table]
+        out.dropped.update(done.dropped)
+        out.stats.update(done.stats)
+        versions |= {(u.query.query_id, viewport): u for u in mine}
+    steps: dict[str, list[Step]] = {}
+    for step in out.rows["steps"]:
+        steps.setdefault(step.episode_id, []).append(step)  # type: ignore[union-attr]
+    episodes: list[Episode] = []
+    for episode in out.rows["episodes"]:
+        assert isinstance(episode, Episode)
+        unit = versions[episode.query_id, episode.viewport]
+        update = {"run_id": run_id, "source": "reference", "query_version": unit.version}
+        if episode.status != "env_fault":
+            ok, reason = kind_for(unit.query.app).check(unit.query.checker, json.loads(unit.query.checker_params_json),
+                                                        json.loads(episode.final_state_json))
+            update["success"] = ok
+            if ok:
+                out.stats["reference demonstrations recorded"] += 1
+            else:
+                out.dropped[f"reference path replayed but the checker says it failed ({unit.query.app})"] += 1
+        episode = episode.model_copy(update=update)
+        episodes.append(episode)
+        if episode.success:
+            out.rows["replay_buffer"].append(buffer_entry(episode, steps.get(episode.episode_id, []), run_id=run_id,
+                                                          origin="replay"))
+    out.rows["episodes"] = episodes
+    out.rows["steps"] = [s.model_copy(update={"run_id": run_id}) for s in out.rows["steps"]]  # type: ignore[union-attr]
+    return out
+
+
+STAGE = StageDef[Workspace, ReferenceUnit](
+    name="reference",
+    key=lambda u: f"{u.query.query_id}:{u.viewport}",
+    reads="queries",
+    writes={"episodes": "append", "steps": "append", "replay_buffer": "append"},
+    sections=("rollout",),
+    load=load_references,
+    run=record_references,
+    shard_size=lambda s: s.rollout.episodes_per_shard,
+)
