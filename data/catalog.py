@@ -540,16 +540,24 @@ class Catalog:
         _, snapshot = self.resolve(f"{table}@latest")
         return self.load(table, snapshot), snapshot
 
-    def rows_added(self, table: str, snapshot: int | None) -> tuple[pl.DataFrame, int]:
-        """The rows one version of a table added (its run's rows), and that version's id (None: the latest).
-
-        Tables accumulate across runs; a stage works on what one run produced, which is
-        what `--input TABLE@VERSION` names.
-        """
+    def version(self, table: str, snapshot: int | None) -> int:
+        """The version's id as given, or the latest's when None; a table with no version yet is an error
+        that names what to run."""
         if snapshot is None:
             _, snapshot = self.resolve(f"{table}@latest")
             if snapshot is None:
                 raise LookupError(f"table {table!r} has no version yet; run the stage that writes it first")
+        return snapshot
+
+    def rows_added(self, table: str, snapshot: int | None) -> tuple[pl.DataFrame, int]:
+        """The rows the run behind one version of a table wrote to it, over all of that run's commits (a
+        night's steps come from the reference stage and the rollout stage), and that version's id (None:
+        the latest).
+
+        Tables accumulate across runs; a stage works on what one run produced, which is
+        what `--input TABLE@VERSION` names.
+        """
+        snapshot = self.version(table, snapshot)
         frame = self.load(table, snapshot)
         lineage = self.lineage(table, snapshot)
         if lineage is not None:

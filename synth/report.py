@@ -68,6 +68,39 @@ def render_report(*, run_id: str, tag: str, iteration: int, history: pl.DataFram
     return "\n".join(lines) + "\n"
 
 
+def _this_run(ws: Workspace, table: str, run_id: str) -> pl.DataFrame | None:
+    """The run's rows of a table, or None when the table does not exist yet (its stage never ran)."""
+    if table not in ws.catalog.tables():
+        return None
+    return ws.catalog.load(table).filter(pl.col("run_id") == run_id)
+
+
+def render_yield(ws: Workspace, run_id: str) -> list[str]:
+    """Rows each training and synthesis table got this run, by kind; a kind with zero rows is a bug to explain."""
+    lines = ["## Training data written this run", "", "| table | kind | rows |", "| --- | --- | --- |"]
+    for table, column in (("episodes", "source"), ("train_e2e", None), ("grounding", "kind"),
+                          ("train_grounding", None), ("action_semantics", "tier"), ("train_semantics", None),
+                          ("manuals", "app"), ("plans", "app"), ("train_planning", None)):
+        rows = _this_run(ws, table, run_id)
+        if rows is None:
+            lines.append(f"| {table} | - | table not written yet |")
+        elif column is None or rows.height == 0:
+            lines.append(f"| {table} | all | {rows.height} |")
+        else:
+            for row in rows.group_by(column).len().sort(column).iter_rows():
+                lines.append(f"| {table} | {row[0] or 'policy'} | {row[1]} |")
+    manuals = _this_run(ws, "manuals", run_id)
+    if manuals is not None and manuals.height:
+        lines += ["", "### Manuals and their measured value", "",
+                  "| app | family | success before | success with the manual | trial queries |",
+                  "| --- | --- | --- | --- | --- |"]
+        for m in manuals.sort("app", "family").iter_rows(named=True):
+            before = "-" if m["success_before"] is None else f"{m['success_before']:.0%}"
+            with_ = "-" if m["success_with"] is None else f"{m['success_with']:.0%}"
+            lines.append(f"| {m['app']} | {m['family']} | {before} | {with_} | {len(m['trial_queries'])} |")
+    return lines + [""]
+
+
 def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     """Write the run's report to `<warehouse>/reports/<run_id>.md` (rebuilt the same on a resumed run)."""
     history = ws.catalog.load("query_history")
@@ -82,6 +115,7 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     ]
     path = ws.catalog.warehouse / "reports" / f"{run_id}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(run_id=run_id, tag=tag, iteration=loop.iteration, history=history,
-                                  guidance=guidance, hard_before=hard_before))
+    report = render_report(run_id=run_id, tag=tag, iteration=loop.iteration, history=history, guidance=guidance,
+                           hard_before=hard_before)
+    path.write_text(report + "\n" + "\n".join(render_yield(ws, run_id)))
     return path

@@ -1,0 +1,43 @@
+"""The chat format every training table shares with `train_e2e`, and its one coordinate convention.
+
+A sample is a list of Qwen2.5-VL chat messages, `[{role, content: [{type: text, text} |
+{type: image}]}]`, with the PNG bytes of each `{type: image}` part in `images`, in message
+order, so a fine-tuning job needs nothing but the Parquet files.
+
+Coordinates: every point and box in a synthesis row and in a training answer is in pixels
+of the screenshot as stored and as sent to the policy (x right, y down, origin at the
+top-left corner), the convention of the policy's action space (`envs.actions`). A box is
+[x, y, width, height]; a point is [x, y]. `train_grounding`'s answer is the policy's own
+click call at the target's centre, so a grounding sample teaches the same output a
+rollout step does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from trajforge.schemas.records import ChatSample
+
+C = TypeVar("C", bound=ChatSample)
+
+
+def centre(box: list[float]) -> list[float]:
+    """The centre [x, y] of an [x, y, w, h] box, rounded to a pixel (the answer a grounding row gives)."""
+    x, y, w, h = box
+    return [float(round(x + w / 2)), float(round(y + h / 2))]
+
+
+def chat_sample(model: type[C], *, run_id: str, sample_id: str, source_id: str, system: str,
+                turns: list[tuple[str, str]], images: list[bytes], tag: str) -> C:
+    """One training row: a system turn, then (user, assistant) turns; the first user turn shows the images,
+    then its text. Several questions about one screenshot share one copy of it (a 60 KB PNG per row would
+    dwarf the text: shared/FACTS.md)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": [{"type": "text", "text": system}]}]
+    for i, (user, answer) in enumerate(turns):
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in images] if i == 0 else []
+        content.append({"type": "text", "text": user})
+        messages += [{"role": "user", "content": content},
+                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+    return model(run_id=run_id, sample_id=sample_id, source_id=source_id, messages_json=json.dumps(messages),
+                 images=images, tag=tag)

@@ -1,0 +1,316 @@
+"""Planning data (paper 2.2.2): task manuals distilled from successes, and plans checked against page graphs.
+
+Per app (one unit of work):
+
+- **Manuals.** The app's successful trajectories (reference demonstrations, which the
+  checker passed, and rollouts the critics accepted) are grouped by task family: the
+  query's source and its goal (the last page of its path, or an atomic query's operation).
+  Each family's trajectories, as page transitions and actions, are distilled by the model
+  into a manual; an answer that does not parse keeps the template manual below
+  (`mode: fallback`, counted), since the trajectories teach even when the model cannot
+  write. Its value is measured: `synth.manual_trials` of the family's queries are
+  rolled out again with the configured policy and the manual as guidance, and the row keeps
+  their success rate before (the query history) and with it. Trials run for the first
+  `synth.measured_manuals_per_app` families of an app (each is a policy episode); their
+  episodes are not written to `episodes` (their ids are on the manual row). A manual
+  whose family, trajectories and configuration are unchanged is not written again.
+- **Plans.** The model proposes `synth.plans_per_app` complex tasks over the app's pages and
+  plans each step by step; a plan whose step names a page, or an element, that the app's
+  page graph does not have is dropped with the step and the name as its reason.
+
+Both become `train_planning` chat samples (text only). With `synth.writer: template` no model
+is asked: a manual is the first trajectory's transitions, one line each, and no plan is made.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, Field
+
+from trajforge.envs.kinds import kind_for
+from trajforge.envs.operations import parse_operations
+from trajforge.envs.spec import AppSpec
+from trajforge.llm import GatewayError, load_prompt
+from trajforge.llm.workspace import Workspace
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.ids import short_id
+from trajforge.schemas.records import Manual, Plan, PlanningChat, Query, Step
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput, config_hash
+from trajforge.synth.chat import chat_sample
+
+PROMPTS = Path(__file__).parent / "prompts"
+MANUAL, PLAN = "planning_manual", "planning_plan"
+SECTIONS = ("synth", "rollout", "llm")
+MAX_TRAJECTORIES = 3
+"""Successful trajectories shown per manual: enough to tell the route from the detours, short enough
+for a small model."""
+
+
+class ManualAnswer(BaseModel):
+    manual: list[str] = Field(min_length=1)
+
+
+class PlanStep(BaseModel):
+    page: str
+    element: str | None = None
+    action: str = ""
+
+
+class PlanAnswer(BaseModel):
+    task: str
+    steps: list[PlanStep] = Field(min_length=2)
+
+
+def family(query: Query) -> str:
+    """The task family: the query's source and its goal (the path's last page, or an atomic query's operation)."""
+    if query.source == "atomic" and query.actions_json:
+        ops = parse_operations(query.actions_json)
+        if ops:
+            return f"atomic:{ops[0].op}"
+    return f"{query.source}:{query.path[-1] if query.path else 'start'}"
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    episode_id: str
+    query: Query
+    steps: list[Step]
+
+
+@dataclass(frozen=True)
+class AppPlanning:
+    """One app's planning work: its successful trajectories by family, its queries, and its query history."""
+
+    app: str
+    trajectories: dict[str, list[Trajectory]]
+    queries: dict[str, list[Query]]
+    history: dict[str, tuple[int, int]]
+    """query id -> (attempts, successes) so far."""
+    written: frozenset[str]
+    """Manual and plan ids already in the warehouse (same inputs and configuration): not written again."""
+    config: str
+
+
+def _transitions(t: Trajectory) -> dict[str, Any]:
+    return {"task": t.query.instruction, "steps": [
+        {"page": s.title_before, "result": s.title_after,
+         "action": f"{s.action_type} {s.target_role or ''} '{s.target_name}'" if s.target_name else s.action_type}
+        for s in t.steps if s.action_type != "terminate"]}
+
+
+def template_manual(trajectory: Trajectory) -> ManualAnswer:
+    """Without a model: the first trajectory's transitions, one line each."""
+    lines = [f"On '{s['page']}': {s['action']} (then '{s['result']}')" for s in _transitions(trajectory)["steps"]]
+    return ManualAnswer(manual=lines or ["Nothing to do: the start page is the goal"])
+
+
+def spec_names(spec: AppSpec) -> tuple[set[str], dict[str, set[str]]]:
+    """The page ids of the graph, and per page the element names its outgoing transitions use."""
+    elements: dict[str, set[str]] = {p: set() for p in spec.pages}
+    for t in spec.transitions:
+        for action in t.actions:
+            if action.name:
+                elements[t.source].add(action.name)
+    return set(spec.pages), elements
+
+
+def check_plan(plan: PlanAnswer, spec: AppSpec) -> str | None:
+    """Why the plan cannot be followed in this app; None when every page and element it names exists."""
+    pages, elements = spec_names(spec)
+    every_name = set().union(*elements.values())
+    for i, step in enumerate(plan.steps, 1):
+        if step.page not in pages:
+            return f"step {i} names page {step.page!r}, which the page graph does not have"
+        if step.element and step.element not in every_name and not any(
+                "{" in n and n.split("{")[0] and step.element.startswith(n.split("{")[0]) for n in every_name):
+            return f"step {i} names element {step.element!r}, which no transition of the page graph uses"
+    return None
+
+
+class _Planner:
+    def __init__(self, ws: Workspace, out: StageOutput) -> None:
+        self.ws, self.out = ws, out
+        self.cfg = ws.settings.synth
+        self.prompts = {name: load_prompt(name, PROMPTS) for name in (MANUAL, PLAN)}
+
+    def ask(self, template: str, schema: type[BaseModel], /, **variables: Any
+            ) -> tuple[BaseModel | None, str, str | None]:
+        """(parsed answer or None, model id, why there is no answer or None); the caller counts the failure."""
+        prompt = self.prompts[template]
+        try:
+            result = self.ws.gateway.chat_sync(prompt.render(**variables), model=self.cfg.model, schema=schema)
+        except GatewayError as exc:
+            return None, exc.record.model_id, f"{template}: no answer ({exc.record.error})"[:160]
+        self.out.models[template] = result.record.model_id
+        self.out.prompts[template] = prompt.version
+        if result.parsed is None:
+            return None, result.record.model_id, f"{template}: the model's answer did not parse"
+        return result.parsed, result.record.model_id, None
+
+    def trial(self, queries: list[Query], manual_id: str, text: str, run_id: str) -> tuple[float | None, list[str]]:
+        """The queries rolled out with the manual as guidance: their success rate and the episode ids."""
+        if not queries:
+            return None, []
+        out = rollout(queries, run_id=f"{run_id}-{manual_id}", settings=self.ws.settings.rollout, blobs=self.ws.blobs,
+                      gateway=self.ws.gateway, guidance={q.query_id: (manual_id, text) for q in queries})
+        by_id = {q.query_id: q for q in queries}
+        outcomes = []
+        for episode in out.rows["episodes"]:
+            if episode.status == "env_fault":  # type: ignore[union-attr]
+                continue
+            q = by_id[episode.query_id]  # type: ignore[union-attr]
+            ok, _ = kind_for(q.app).check(q.checker, json.loads(q.checker_params_json),
+                                          json.loads(episode.final_state_json))  # type: ignore[union-attr]
+            outcomes.append(ok)
+        self.out.stats["manual trial episodes"] += len(outcomes)
+        episodes = [e.episode_id for e in out.rows["episodes"]]  # type: ignore[union-attr]
+        return (sum(outcomes) / len(outcomes) if outcomes else None), episodes
+
+
+def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> StageOutput:
+    """Manuals (measured) and checked plans for each app of the shard."""
+    out = StageOutput(rows={"manuals": [], "plans": [], "train_planning": []}, models={}, prompts={})
+    planner = _Planner(ws, out)
+    tag = ws.run_tag(run_id)
+    cfg = ws.settings.synth
+    for unit in units:
+        spec = kind_for(unit.app).spec
+        measured = 0
+        for fam in sorted(unit.trajectories):
+            trajectories = unit.trajectories[fam][:MAX_TRAJECTORIES]
+            manual_id = short_id(unit.app, fam, unit.config, *sorted(t.episode_id for t in trajectories))
+            if manual_id in unit.written:
+                out.stats["manual up to date: same family, trajectories and configuration"] += 1
+                continue
+            answer: BaseModel | None = None
+            mode, model_id, version = "template", "template", "template"
+            if cfg.writer == "model":
+                answer, model_id, problem = planner.ask(
+                    MANUAL, ManualAnswer, app=spec.title if spec else unit.app, family=fam,
+                    trajectories=[_transitions(t) for t in trajectories])
+                mode, version = "model", f"{MANUAL}@{planner.prompts[MANUAL].version}"
+                if problem is not None:  # the trajectories still teach: keep the template manual, say so
+                    out.stats[f"manual kept as the template: {problem}"] += 1
+                    mode = "fallback"
+            if not isinstance(answer, ManualAnswer):
+                answer = template_manual(trajectories[0])
+            text = "\n".join(f"{i}. {line.strip()}" for i, line in enumerate(answer.manual, 1) if line.strip())
+            queries = unit.queries.get(fam, [])[: cfg.manual_trials] if measured < cfg.measured_manuals_per_app else []
+            measured += bool(queries)
+            tried = [unit.history[q.query_id] for q in queries if q.query_id in unit.history]
+            before = sum(s for _, s in tried) / sum(a for a, _ in tried) if tried and sum(a for a, _ in tried) else None
+            success_with, episodes = planner.trial(queries, manual_id, text, run_id)
+            row = Manual(run_id=run_id, manual_id=manual_id, app=unit.app, family=fam, text=text,
+                         episodes=[t.episode_id for t in trajectories], trial_queries=[q.query_id for q in queries],
+                         success_before=before, success_with=success_with, trial_episodes=episodes,
+                         mode=mode, model_id=model_id, prompt_version=version)
+            out.rows["manuals"].append(row)
+            out.rows["train_planning"].append(chat_sample(
+                PlanningChat, run_id=run_id, sample_id=short_id(run_id, manual_id), source_id=manual_id,
+                system="You write task manuals for GUI agents.",
+                turns=[(f"Write a manual for tasks of the kind {fam!r} in the app {unit.app!r}, e.g. "
+                        f"{trajectories[0].query.instruction!r}.", text)], images=[], tag=tag))
+        if spec is None:
+            continue
+        pages, elements = spec_names(spec)
+        for i in range(cfg.plans_per_app if cfg.writer == "model" else 0):
+            plan, model_id, problem = planner.ask(
+                PLAN, PlanAnswer, app=spec.title,
+                pages=[{"id": p, "description": spec.pages[p].description} for p in sorted(pages)],
+                elements=[{"page": p, "names": sorted(n)} for p, n in sorted(elements.items()) if n])
+            if not isinstance(plan, PlanAnswer):
+                out.dropped[problem or f"{PLAN}: not a plan"] += 1
+                continue
+            if (problem := check_plan(plan, spec)) is not None:
+                out.dropped["plan: a step names a page or element the page graph does not have"] += 1
+                out.stats[f"plan dropped ({unit.app}): {problem}"[:200]] += 1
+                continue
+            steps = [f"On {s.page}: {s.action or 'use'} {s.element or ''}".strip() for s in plan.steps]
+            plan_id = short_id(unit.app, unit.config, plan.model_dump_json())
+            if plan_id in unit.written:
+                out.stats["plan already written by an earlier run"] += 1
+                continue
+            out.rows["plans"].append(Plan(
+                run_id=run_id, plan_id=plan_id, app=unit.app, task=plan.task, steps=steps,
+                pages=[s.page for s in plan.steps], raw_output=plan.model_dump_json(), model_id=model_id,
+                prompt_version=f"{PLAN}@{planner.prompts[PLAN].version}"))
+            out.rows["train_planning"].append(chat_sample(
+                PlanningChat, run_id=run_id, sample_id=short_id(run_id, plan_id), source_id=plan_id,
+                system="You plan tasks for GUI agents, step by step, page by page.",
+                turns=[(f"Plan this task in the app {unit.app!r}: {plan.task}",
+                        "\n".join(f"{j}. {s}" for j, s in enumerate(steps, 1)))], images=[], tag=tag))
+    return out
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _accepted(ws: Workspace) -> set[str]:
+    """Episodes the critics accepted, in every run so far."""
+    if "verdicts" not in ws.catalog.tables():
+        return set()
+    return set(ws.catalog.scan("verdicts").filter(pl.col("success")).select("episode_id").collect()["episode_id"])
+
+
+def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
+    """Every app with successful trajectories so far, its queries (queries@latest) and their history."""
+    snapshot = ws.catalog.version("episodes", snapshot)
+    episodes = ws.catalog.load("episodes", snapshot)
+    ok = pl.col("episode_id").is_in(list(_accepted(ws)))
+    if "source" in episodes.columns:
+        ok = ok | ((pl.col("source") == "reference") & pl.col("success").fill_null(False))
+    good = episodes.filter(ok).sort("episode_id")
+    queries_frame, queries_snapshot = ws.catalog.latest("queries")
+    queries = {q["query_id"]: Query.model_validate(q) for q in queries_frame.to_dicts()}
+    steps = (ws.catalog.scan("steps").filter(pl.col("episode_id").is_in(good["episode_id"].to_list()))
+             .collect().sort("episode_id", "step_index"))
+    by_episode: dict[str, list[Step]] = {}
+    for s in steps.to_dicts():
+        by_episode.setdefault(s["episode_id"], []).append(Step.model_validate(s))
+    history: dict[str, tuple[int, int]] = {}
+    if "query_history" in ws.catalog.tables():
+        counts = ws.catalog.load("query_history").group_by("query_id").agg(
+            pl.len().alias("n"), pl.col("success").sum().alias("ok"))
+        history = {r["query_id"]: (r["n"], r["ok"]) for r in counts.to_dicts()}
+    written = frozenset(
+        ids for table, column in (("manuals", "manual_id"), ("plans", "plan_id")) if table in ws.catalog.tables()
+        for ids in ws.catalog.scan(table).select(column).collect()[column])
+    config = config_hash(ws.settings, SECTIONS)
+    apps: dict[str, dict[str, list[Trajectory]]] = {}
+    stats: Counter[str] = Counter()
+    for e in good.to_dicts():
+        q = queries.get(e["query_id"])
+        if q is None:
+            stats["successful episode of a query no longer in queries@latest"] += 1
+            continue
+        apps.setdefault(q.app, {}).setdefault(family(q), []).append(Trajectory(e["episode_id"], q,
+                                                                               by_episode.get(e["episode_id"], [])))
+    units = []
+    for app, families in sorted(apps.items()):
+        mine = [q for q in queries.values() if q.app == app]
+        by_family: dict[str, list[Query]] = {}
+        for q in sorted(mine, key=lambda q: q.query_id):
+            by_family.setdefault(family(q), []).append(q)
+        units.append(AppPlanning(app, families, by_family,
+                                 {q.query_id: history[q.query_id] for q in mine if q.query_id in history},
+                                 written, config))
+    snapshots = {"episodes": snapshot} | ({"queries": queries_snapshot} if queries_snapshot is not None else {})
+    return Inputs(units=units, snapshots=snapshots, stats=stats)
+
+
+STAGE = StageDef[Workspace, AppPlanning](
+    name="planning",
+    key=lambda u: u.app,
+    reads="episodes",
+    writes={"manuals": "append", "plans": "append", "train_planning": "append"},
+    sections=SECTIONS,
+    load=load_apps,
+    run=plan_app,
+    shard_size=lambda s: 2,
+)

@@ -1,0 +1,310 @@
+"""The synthesis stages on one recorded run: grounding, action semantics and planning.
+
+One module-scoped warehouse: the notes app's queries and their reference demonstrations
+(real browser, real app, real OCR), then each stage run through the runner with a model
+endpoint scripted at the edge (a remote server's answers are the one thing we do not own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+from PIL import Image
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from test_llm_failures import ScriptedServer
+
+from trajforge.critics.annotate import POINT_COLOR, annotate
+from trajforge.guidance.reference import STAGE as REFERENCE
+from trajforge.llm.workspace import Workspace
+from trajforge.query_gen.stage import STAGE as QUERY_GEN
+from trajforge.schemas.config import Settings
+from trajforge.synth import grounding, planning, semantics
+from trajforge.tasks.runner import run_inline
+
+pytestmark = pytest.mark.browser
+
+
+class ModelServer(ScriptedServer):
+    """An OpenAI-compatible endpoint whose answer depends on the prompt, as a real model's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken: set[str] = set()  # prompt names whose answers come back unparsable
+
+    def answer(self, system: str, user: str) -> str:
+        if "rewrite requests" in system:
+            name = re.search(r'Element: \S+ "(.*)"', user).group(1)
+            return "\n" if "rephrase" in self.broken else f"I need {name} now\nAnd more."
+        if "rectangular region" in system:
+            return "This region is a part of the screen that holds many things" if "region" in self.broken \
+                else "the top bar."
+        if "describe one action" in system:
+            target = re.search(r"on \S+ '(.*)'", user)
+            return f"Clicks '{target.group(1) if target else 'it'}', which should open the next page. More text."
+        if "check a description" in system:
+            return "no json" if "check" in self.broken else json.dumps(
+                {"consistent": True, "score": 0.8, "reason": "matches"})
+        if "write short manuals" in system:
+            return "garbage" if "manual" in self.broken else json.dumps({"manual": ["Open the note", "Edit it"]})
+        if "plan tasks" in system:
+            pages = re.findall(r"^- (\w+):", user, re.M)
+            first, bad = pages[0], "no_such_page"
+            return json.dumps({"task": "Do two things", "steps": [{"page": first, "action": "look"},
+                                                                   {"page": bad, "action": "click"}]}) \
+                if "plan" in self.broken else json.dumps({"task": "Do two things", "steps": [
+                    {"page": first, "action": "look"}, {"page": pages[-1], "action": "look"}]})
+        raise AssertionError(f"unexpected prompt: {system[:80]}")
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append({"body": body})
+
+        def text(message: dict[str, Any]) -> str:
+            content = message["content"]
+            return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
+
+        system = text(body["messages"][0])
+        user = text(body["messages"][-1])
+        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": self.answer(system, user)},
+             "finish_reason": "stop"}], "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+
+
+@pytest.fixture(scope="module")
+def model():
+    with ModelServer() as server:
+        yield server
+
+
+def workspace(root: Path, url: str, *, cache: bool = True, **synth: Any) -> Workspace:
+    return Workspace.open(Settings(
+        warehouse={"path": root / "wh"},
+        query_gen={"apps": ["notes"], "num_queries": 2, "atomic_per_app": 1, "deep_search_apps": []},
+        rollout={"policy": "replay", "contexts": 2},
+        llm={"endpoints": {"m": {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10}},
+             "default": "m", "reask": 0, "cache": cache},
+        synth={"rephrase_per_shard": 2, "regions_per_shard": 1, "described_per_shard": 1, "semantics_votes": 2,
+               "manual_trials": 1} | synth,
+    ))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, chromium, model):
+    """A run's reference demonstrations of the notes app, and the run id."""
+    root = tmp_path_factory.mktemp("synth")
+    ws = workspace(root, model.url)
+    run = ws.ledger.open_run("test", "synth").run_id
+    queries = run_inline(QUERY_GEN, ws, run)["queries"]
+    snapshots = run_inline(REFERENCE, ws, run, queries)
+    return root, run, snapshots
+
+
+@pytest.fixture(scope="module")
+def grounded(recorded, model):
+    root, run, snapshots = recorded
+    ws = workspace(root, model.url)
+    return ws, run_inline(grounding.STAGE, ws, run, snapshots["steps"])
+
+
+def inside(point: list[float] | tuple[float, float], box: list[float]) -> bool:
+    x, y, w, h = box
+    return x <= point[0] <= x + w and y <= point[1] <= y + h
+
+
+def test_a_grounding_answer_drawn_on_its_image_lands_inside_the_element(grounded):
+    ws, snapshots = grounded
+    rows = ws.catalog.load("grounding", snapshots["grounding"])
+    samples = ws.catalog.load("train_grounding", snapshots["train_grounding"])
+    elements = {r["sample_id"]: r for r in rows.filter(pl.col("kind") == "element").to_dicts()}
+    assert len(elements) >= 10
+    checked = 0
+    for sample in samples.to_dicts():
+        ids = sample["source_id"].split(",")
+        if ids[0] not in elements:
+            continue
+        answers = [m for m in json.loads(sample["messages_json"]) if m["role"] == "assistant"]
+        for sample_id, answer in zip(ids, answers, strict=True):
+            call = json.loads(answer["content"][0]["text"].split("<tool_call>\n")[1].split("\n</tool_call>")[0])
+            x, y = call["arguments"]["coordinate"]
+            drawn = annotate(sample["images"][0], {"type": "click", "x": x, "y": y}, None)
+            with Image.open(io.BytesIO(drawn)) as image:
+                pixels = image.convert("RGB").load()
+                w, h = image.size
+            ring = [(px, py) for px in range(max(0, x - 25), min(w, x + 25)) for py in range(max(0, y - 25), min(h, y + 25))
+                    if pixels[px, py] == POINT_COLOR]
+            centre = (sum(p[0] for p in ring) / len(ring), sum(p[1] for p in ring) / len(ring))
+            assert inside(centre, elements[sample_id]["box"]), (elements[sample_id], centre)
+            checked += 1
+    assert checked == len(elements)
+
+
+def test_grounding_rows_of_every_kind_with_reasons_for_what_was_dropped(grounded, model):
+    ws, snapshots = grounded
+    rows = ws.catalog.load("grounding", snapshots["grounding"])
+    assert set(rows["kind"]) == {"element", "word", "char", "region"}
+    words = set(rows.filter(pl.col("kind") == "word")["text"])
+    names = " ".join(rows.filter(pl.col("kind") == "element")["name"])
+    assert len([w for w in words if w in names]) >= 5  # the OCR read what the accessibility tree names
+    lineage = ws.catalog.lineage("grounding", snapshots["grounding"])
+    assert lineage.dropped["element: a container (RootWebArea), not something a user points at"] > 0
+    assert lineage.models["ocr"].startswith("rapidocr-")
+    modes = rows.filter(pl.col("kind") == "element")["instruction_mode"].value_counts()
+    assert dict(modes.iter_rows()).get("model", 0) >= 1  # the scripted model kept the name: rephrased
+    rephrased = rows.filter(pl.col("instruction_mode") == "model").to_dicts()[0]
+    assert rephrased["instruction"] == f"I need {rephrased['name']} now"
+    assert rephrased["model_id"] == "scripted" and rephrased["prompt_version"] == "grounding_rephrase@2"
+    region = rows.filter(pl.col("kind") == "region").to_dicts()[0]
+    assert (region["text"], region["instruction"]) == ("the top bar", "Point at the top bar")
+
+
+def test_the_pages_query_generation_saw_are_grounded_too(grounded):
+    ws, snapshots = grounded
+    pages, pages_snapshot = ws.catalog.latest("pages")
+    assert pages.height > 0 and set(pages["app"]) == {"notes"}
+    assert all(sha in ws.blobs for sha in pages["screenshot"])
+    rows = ws.catalog.load("grounding", snapshots["grounding"])
+    seen_by_query_gen = rows.filter(pl.col("step_id").is_null())
+    assert seen_by_query_gen.filter(pl.col("kind") == "element").height > 0
+    assert set(seen_by_query_gen["screenshot"]) <= set(pages["screenshot"])
+    assert ws.catalog.lineage("grounding", snapshots["grounding"]).inputs["pages"] == pages_snapshot
+
+
+def test_a_rerun_with_nothing_new_reads_no_ocr_and_asks_no_model(recorded, grounded, model):
+    root, run, snapshots = recorded
+    ws, _ = grounded
+    runs, asked = ws.ocr.engine_runs, len(model.requests)
+    again = workspace(root, model.url)
+    rerun = again.ledger.open_run("test", "synth-rerun").run_id
+    out = run_inline(grounding.STAGE, again, rerun, snapshots["steps"])
+    lineage = again.catalog.lineage("grounding", out["grounding"])
+    assert lineage.kept["grounding"] == 0
+    assert lineage.stats["screens already grounded with this configuration by an earlier run"] > 0
+    assert (again.ocr.engine_runs, len(model.requests)) == (runs, asked)
+
+
+def screen_of(ws: Workspace) -> tuple[grounding.Screen, bytes]:
+    steps = ws.catalog.load("steps").sort("step_id").to_dicts()
+    s = steps[0]
+    screen = grounding.Screen(s["screenshot_before"], s["width"], s["height"], "notes", s["url_before"],
+                              s["title_before"], s["step_id"], "mobile", s["ax_tree_before"])
+    return screen, ws.blobs.get(s["screenshot_before"])
+
+
+def test_covered_shifted_and_outside_elements_are_dropped_with_reasons(grounded):
+    ws, _ = grounded
+    screen, png = screen_of(ws)
+    lines = ws.ocr.read(png)
+    kept = grounding.ground_screen(screen, png, lines, [], run_id="t", iou_threshold=0.5)
+    element = next(r for r in kept.rows if r.kind == "element" and r.detector == "ocr")
+    x, y, w, h = (round(v) for v in element.box)
+    role = element.role
+    tree = "\n".join([
+        f'{role} "{element.name}" [covered] ({x},{y},{w},{h})',
+        f'{role} "{element.name}" ({x + w},{y + h},{w},{h})',  # shifted off its text: the OCR disagrees
+        f'button "Far away" ({screen.width + 10},{y},{w},{h})',
+        f'{role} "{element.name}" ({x},{y},{w},{h})',
+    ])
+    out = grounding.ground_screen(screen.__class__(**{**screen.__dict__, "ax_tree": tree}), png, lines, [],
+                                  run_id="t", iou_threshold=0.5)
+    assert [r.name for r in out.rows if r.kind == "element"] == [element.name]
+    assert out.dropped["element: covered by another element when recorded"] == 1
+    assert out.dropped["element: IoU with its detection below tau_g=0.5"] == 1
+    assert out.dropped["element: off screen"] == 1
+    assert "iou 0.00" in out.iou_drops[0] and str([x + w, y + h, w, h]) in out.iou_drops[0]
+
+
+def test_a_missing_blob_or_an_unparsable_answer_drops_the_row_and_the_stage_finishes(recorded, grounded, model):
+    root, _, _ = recorded
+    ws, _ = grounded
+    screen, _ = screen_of(ws)
+    missing = screen.__class__(**{**screen.__dict__, "screenshot": "0" * 64})
+    fresh = workspace(root, model.url, cache=False)  # the cache would answer with the good answers of before
+    model.broken = {"rephrase", "region"}
+    try:
+        out = grounding.ground([missing, screen], fresh, fresh.ledger.open_run("test", "broken").run_id, "")
+    finally:
+        model.broken = set()
+    assert out.dropped["screen: screenshot blob BlobMissing"] == 1
+    assert out.dropped["region: the answer is not a name (over 8 words)"] == 1
+    assert out.stats["element requests kept as the template: the model's answer was unusable"] == 2
+    assert out.stats["grounding_rephrase: answer did not parse or was empty"] == 2
+    assert out.stats["screens grounded"] == 1 and out.rows["grounding"]
+
+
+def test_action_semantics_one_row_per_valid_step_and_the_best_of_k_votes(recorded, model):
+    root, run, snapshots = recorded
+    ws = workspace(root, model.url)
+    out = run_inline(semantics.STAGE, ws, run, snapshots["steps"])
+    steps = ws.catalog.load("steps", snapshots["steps"])
+    effective = steps.filter(pl.col("action_valid") & ~pl.col("action_type").is_in(["terminate", "answer"]))
+    rows = ws.catalog.load("action_semantics", out["action_semantics"])
+    assert rows.filter(pl.col("tier") == "action").height == effective.height
+    described = rows.filter(pl.col("tier") == "description").to_dicts()
+    assert len(described) == 1
+    votes = json.loads(described[0]["votes_json"])
+    assert len(votes) == 2 and all(v["scored_by"] == "model" and v["score"] == 0.8 for v in votes)
+    assert described[0]["description"].startswith("Clicks '") and "More text" not in described[0]["description"]
+    training = ws.catalog.load("train_semantics", out["train_semantics"])
+    assert training.height == rows.height and all(len(i) == 2 for i in training["images"])
+
+
+def test_an_unparsable_check_leaves_the_rules_to_score(recorded, model):
+    root, run, snapshots = recorded
+    ws = workspace(root, model.url, cache=False, semantics_votes=1)
+    units = semantics.load_episodes(ws, snapshots["steps"]).units
+    model.broken = {"check"}
+    try:
+        out = semantics.semantics(units, ws, ws.ledger.open_run("test", "rules").run_id, "")
+    finally:
+        model.broken = set()
+    described = [r for r in out.rows["action_semantics"] if r.tier == "description"]
+    for row in described:
+        [vote] = json.loads(row.votes_json)
+        assert vote["scored_by"] == "rules" and vote["check_error"].startswith("did not parse")
+    assert out.stats["tier-2 votes scored by the rules"] == 1
+
+
+def test_planning_measures_each_manual_and_drops_plans_the_graph_cannot_follow(recorded, model):
+    root, run, _ = recorded
+    ws = workspace(root, model.url, plans_per_app=1)
+    _, episodes = ws.catalog.resolve("episodes@latest")
+    model.broken = {"plan"}
+    try:
+        out = run_inline(planning.STAGE, ws, run, episodes)
+    finally:
+        model.broken = set()
+    manuals = ws.catalog.load("manuals", out["manuals"])
+    assert manuals.height == manuals["family"].n_unique() >= 2  # a page-graph family and an atomic one
+    assert set(manuals["app"]) == {"notes"} and all(manuals["text"].str.starts_with("1. Open the note"))
+    measured = manuals.filter(pl.col("success_with").is_not_null())
+    assert measured.height == 1 and measured["success_with"][0] == 1.0  # the replay policy follows any manual
+    lineage = ws.catalog.lineage("plans", out["plans"])
+    assert lineage.kept["plans"] == 0
+    assert any("names page 'no_such_page'" in k for k in lineage.stats)
+    again = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "plan-again").run_id, episodes)
+    assert ws.catalog.lineage("manuals", again["manuals"]).kept["manuals"] == 0
+
+
+def test_a_manual_the_model_cannot_write_keeps_the_template_and_says_so(recorded, model):
+    root, run, _ = recorded
+    ws = workspace(root, model.url, cache=False, manual_trials=0)
+    _, episodes = ws.catalog.resolve("episodes@latest")
+    units = [dataclasses.replace(u, written=frozenset()) for u in planning.load_apps(ws, episodes).units]
+    model.broken = {"manual"}
+    try:
+        out = planning.plan_app(units, ws, ws.ledger.open_run("test", "manual-fallback").run_id, "")
+    finally:
+        model.broken = set()
+    manuals = out.rows["manuals"]
+    assert manuals and {m.mode for m in manuals} == {"fallback"}
+    assert all(m.text.startswith("1. On '") for m in manuals)  # the first trajectory's transitions
+    assert out.stats["manual kept as the template: planning_manual: the model's answer did not parse"] == len(manuals)
+    assert {r.source_id for r in out.rows["train_planning"]} >= {m.manual_id for m in manuals}
