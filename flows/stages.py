@@ -15,11 +15,15 @@ from trajforge.schemas.stage import StageDef
 
 NIGHTLY: tuple[str, ...] = (
     "trajforge.query_gen.stage",
+    "trajforge.guidance.reference",  # each new query version's reference path, replayed and checked
     "trajforge.guidance.stage",  # guidance for the queries earlier runs failed, before the rollouts that use it
     "trajforge.rollout.stage",
     "trajforge.critics.stage",
     "trajforge.guidance.history",  # rewrites queries: queries@latest then shows each query's record
     "trajforge.synth.export",
+    "trajforge.synth.grounding",  # every distinct screen of the run: elements, words, characters, regions
+    "trajforge.synth.semantics",  # every valid step: the action from before/after, and described
+    "trajforge.synth.planning",  # manuals per app and task family (measured), plans checked against page graphs
 )
 
 

@@ -17,7 +17,7 @@ from trajforge.data.catalog import Lineage, commit_key, write_parquet_atomic
 from trajforge.data.ledger import ShardRecord
 from trajforge.llm.workspace import Workspace, code_version
 from trajforge.schemas.ids import digest
-from trajforge.schemas.stage import Inputs, StageDef
+from trajforge.schemas.stage import StageDef, config_hash
 from trajforge.schemas.tables import to_arrow
 
 Stage = StageDef[Workspace, Any]
@@ -37,10 +37,7 @@ class StagePlan:
     config_hash: str
     pending: list[Shard]
     total: int
-
-
-def config_hash(stage: Stage, ws: Workspace, inputs: Inputs[Any]) -> str:
-    return digest(f"{ws.settings.section_hash(*stage.sections)}:{inputs.fingerprint}")
+    input_stats: Counter[str]
 
 
 def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> StagePlan:
@@ -58,9 +55,10 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         stage=stage,
         run_id=run_id,
         inputs=inputs.snapshots,
-        config_hash=config_hash(stage, ws, inputs),
+        config_hash=config_hash(ws.settings, stage.sections, inputs.fingerprint),
         pending=[s for s in shards if s.shard_id not in done],
         total=len(shards),
+        input_stats=inputs.stats,
     )
 
 
@@ -103,7 +101,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         raise RuntimeError(f"stage {stage.name!r}: {plan.total - len(records)} shard(s) not done; rerun to resume")
     kept: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
-    stats: Counter[str] = Counter()
+    stats: Counter[str] = Counter(plan.input_stats)
     models: dict[str, str] = {}
     prompts: dict[str, str] = {}
     files: dict[str, list[str]] = {t: [] for t in stage.writes}
@@ -134,3 +132,12 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
     ws.ledger.mark_committed(run_id, stage.name, snapshots)
     return snapshots
 
+
+
+def run_inline(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None = None) -> dict[str, int]:
+    """The whole stage in this process, without Prefect (tests, benchmarks, a notebook): plan, every pending
+    shard in turn, commit. Returns the committed snapshot per table. `run_id` must be open in the ledger."""
+    staged = plan(stage, ws, run_id, input_snapshot)
+    for shard in staged.pending:
+        run_shard(staged, shard, ws)
+    return commit(staged, ws)

@@ -27,6 +27,8 @@ rollout:
 critics:
   step_critic: rules
   text_channel: false
+synth:
+  writer: template
 """
 
 

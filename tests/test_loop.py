@@ -29,6 +29,8 @@ rollout:
 critics:
   step_critic: rules
   text_channel: false
+synth:
+  writer: template
 loop:
   max_guided: 3
 guidance:
@@ -43,7 +45,7 @@ def two_nights(tmp_path_factory, chromium, trajforge_cli):
     first = cli(trajforge_cli, cwd, "run", "nightly").stdout
     second = cli(trajforge_cli, cwd, "run", "nightly").stdout
     ws = workspace(cwd)
-    runs = [h.run_id for h in ws.catalog.history("episodes")]
+    runs = [h.run_id for h in ws.catalog.history("episodes") if h.lineage.stage == "rollout"]
     return cwd, ws, runs, first + second
 
 
@@ -100,7 +102,8 @@ def test_report_shows_yield_and_before_after_success_of_guided_queries(two_night
     cwd, ws, (_, night2), _ = two_nights
     report = cli(trajforge_cli, cwd, "report").stdout
     assert f"reports/{night2}.md" in report.replace("\n", "")  # the latest run's
-    episodes = ws.catalog.load("episodes").filter((pl.col("run_id") == night2) & (pl.col("status") != "env_fault"))
+    episodes = ws.catalog.load("episodes").filter((pl.col("run_id") == night2) & (pl.col("status") != "env_fault")
+                                                 & (pl.col("source") == "policy"))  # not the reference replays
     accepted = ws.catalog.load("verdicts").filter((pl.col("run_id") == night2) & pl.col("success")).height
     assert f"Accepted trajectories per rollout: {accepted}/{episodes.height}" in report
     assert "| shop |" in report and "| page_graph |" in report

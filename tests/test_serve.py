@@ -67,7 +67,7 @@ def test_serve_registers_the_schedule_and_runs_the_nightly_flow(tmp_path, prefec
         "query_gen:\n  apps: [shop]\n  num_queries: 2\n  atomic_per_app: 0\n  deep_search_apps: []\nrollout:\n  policy: replay\n"
         # Rule critics: this test is about the schedule and the served run; with the embedded model judging
         # every step (about 3.5 minutes on 2 cores) the run outlasted the watch on a busy machine.
-        "critics:\n  step_critic: rules\n  text_channel: false\n"
+        "critics:\n  step_critic: rules\n  text_channel: false\nsynth:\n  writer: template\n"
         "schedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
     )
     serve = subprocess.Popen(  # in its own process group: the flow runs it starts must end with it
