@@ -25,7 +25,7 @@ from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer, check_reward, check_tasks, miniwob_queries
 from trajforge.envs.spec import AppSpec
 from trajforge.schemas.config import RolloutSettings, Settings
-from trajforge.schemas.records import Query
+from trajforge.schemas.records import Episode, Query
 
 T = TypeVar("T")
 
@@ -147,6 +147,12 @@ def kind_for(name: str) -> AppKind:
     if name == ANDROID:
         return AndroidKind()
     return BundledWebKind(load_app(name))
+
+
+def check_episode(query: Query, episode: Episode) -> tuple[bool, str]:
+    """The query's checker on the episode's final app state: (success, the checker's reason)."""
+    return kind_for(query.app).check(query.checker, json.loads(query.checker_params_json),
+                                     json.loads(episode.final_state_json))
 
 
 def configured_kinds(settings: Settings) -> list[AppKind]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from trajforge.envs.apps import UnknownAppError
-from trajforge.envs.kinds import kind_for
+from trajforge.envs.kinds import check_episode, kind_for
 from trajforge.guidance.history import buffer_entry
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
@@ -121,8 +121,7 @@ def record_references(units: list[ReferenceUnit], ws: Workspace, run_id: str, _:
         unit = versions[episode.query_id, episode.viewport]
         update = {"run_id": run_id, "source": "reference", "query_version": unit.version}
         if episode.status != "env_fault":
-            ok, reason = kind_for(unit.query.app).check(unit.query.checker, json.loads(unit.query.checker_params_json),
-                                                        json.loads(episode.final_state_json))
+            ok, _ = check_episode(unit.query, episode)
             update["success"] = ok
             if ok:
                 out.stats["reference demonstrations recorded"] += 1

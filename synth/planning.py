@@ -24,7 +24,6 @@ is asked: a manual is the first trajectory's transitions, one line each, and no 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
-from trajforge.envs.kinds import kind_for
+from trajforge.envs.kinds import check_episode, kind_for
 from trajforge.envs.operations import parse_operations
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import GatewayError, load_prompt
@@ -165,9 +164,7 @@ class _Planner:
             if episode.status == "env_fault":  # type: ignore[union-attr]
                 continue
             q = by_id[episode.query_id]  # type: ignore[union-attr]
-            ok, _ = kind_for(q.app).check(q.checker, json.loads(q.checker_params_json),
-                                          json.loads(episode.final_state_json))  # type: ignore[union-attr]
-            outcomes.append(ok)
+            outcomes.append(check_episode(q, episode)[0])  # type: ignore[arg-type]
         self.out.stats["manual trial episodes"] += len(outcomes)
         episodes = [e.episode_id for e in out.rows["episodes"]]  # type: ignore[union-attr]
         return (sum(outcomes) / len(outcomes) if outcomes else None), episodes

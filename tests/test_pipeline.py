@@ -104,7 +104,8 @@ def test_every_replayed_episode_is_judged_a_success(two_nights):
     verdicts = ws.catalog.load("verdicts", nightly_verdicts.snapshot_id)
     episodes = by_policy(ws.catalog.load("episodes")).filter(pl.col("status") != "env_fault")  # faults: no verdict
     assert verdicts.height == episodes.height == 12  # two nights of 5 page-graph and 1 atomic query
-    references = ws.catalog.load("episodes").filter((pl.col("source") == "reference") & (pl.col("status") != "env_fault"))
+    recorded = ws.catalog.load("episodes")
+    references = recorded.filter((pl.col("source") == "reference") & (pl.col("status") != "env_fault"))
     # 6 queries x 2 viewports, once: night 2 reuses them (a replay that timed out on a loaded machine is retried)
     assert references.height == 12 and references["success"].all()
     assert references.select("query_id", "viewport").n_unique() == 12
@@ -139,9 +140,11 @@ def test_tag_show_and_diff(two_nights, trajforge_cli):
     assert ws.catalog.resolve(f"queries@{tag}") == ("queries", new.snapshot_id)
     cli(trajforge_cli, cwd, "datasets", "tag", f"queries@{old.snapshot_id}", "first-night")
     assert ws.catalog.resolve("queries@first-night") == ("queries", old.snapshot_id)
-    shown = cli(trajforge_cli, cwd, "datasets", "show", "queries@first-night", "--columns", "query_id,instruction").stdout
+    shown = cli(trajforge_cli, cwd, "datasets", "show", "queries@first-night",
+                "--columns", "query_id,instruction").stdout
     assert "6 rows" in shown and "instruction" in shown  # 5 page-graph queries and 1 atomic
-    diff = cli(trajforge_cli, cwd, "datasets", "diff", "steps", str(ws.catalog.history("steps")[0].snapshot_id), "latest")
+    first = ws.catalog.history("steps")[0].snapshot_id
+    diff = cli(trajforge_cli, cwd, "datasets", "diff", "steps", str(first), "latest")
     assert re.search(r"\+\d+ -0", diff.stdout), diff.stdout
 
 

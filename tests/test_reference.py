@@ -59,7 +59,8 @@ def test_a_recorded_query_version_is_reused_and_a_changed_one_replayed(night):
     snapshot = ws.catalog.commit_rows("queries", changed.to_dicts(), Lineage(
         stage="edit", run_id="edited", commit_key="edited", config_hash="-", code_version="-"), "overwrite")
     units = reference.load_references(ws, snapshot).units
-    assert [(u.query.query_id, u.viewport) for u in units] == [(changed["query_id"][0], v) for v in ("mobile", "desktop")]
+    expected = [(changed["query_id"][0], v) for v in ("mobile", "desktop")]
+    assert [(u.query.query_id, u.viewport) for u in units] == expected
 
 
 def test_a_version_whose_replay_hit_an_env_fault_is_replayed_again(night):
@@ -72,7 +73,7 @@ def test_a_version_whose_replay_hit_an_env_fault_is_replayed_again(night):
     [mobile, desktop] = sorted(reference.load_references(ws, snapshot).units, key=lambda u: u.viewport == "desktop")
     recorded = ws.catalog.load("episodes", snapshots["episodes"]).filter(pl.col("viewport") == "mobile").head(2)
     faulted = recorded.with_columns(pl.lit(mobile.version).alias("query_version"), pl.lit("env_fault").alias("status"),
-                                    pl.lit("timeout").alias("fault_kind"), pl.lit(None).alias("success"))
+                                    pl.lit("timeout").alias("fault_kind"), pl.lit(None, pl.Boolean).alias("success"))
     done = recorded.tail(1).with_columns(pl.lit(desktop.version).alias("query_version"))
     ws.catalog.commit_rows("episodes", pl.concat([faulted.head(1), done]).to_dicts(), Lineage(
         stage="reference", run_id="faulted", commit_key="faulted-episodes", config_hash="-", code_version="-"))
