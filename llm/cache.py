@@ -38,10 +38,12 @@ responses = sa.Table(
 
 
 def cache_key(
-    model_id: str, template: str, version: str, messages: list[Message], sampling: Sampling, observation: str
+    model_id: str, template: str, version: str, messages: list[Message], sampling: Sampling, observation: str,
+    constraint: str | None = None,
 ) -> str:
-    """The sha256 of the request's canonical JSON (`observation` says how images were shown)."""
-    material = {
+    """The sha256 of the request's canonical JSON (`observation` says how images were shown; `constraint`
+    names the grammar the answer was held to, absent for free decoding so older keys still hold)."""
+    material: dict[str, object] = {
         "format": KEY_FORMAT,
         "model_id": model_id,
         "template": template,
@@ -49,7 +51,7 @@ def cache_key(
         "messages": key_material(messages),
         "observation": observation,
         "sampling": sampling.model_dump(mode="json"),
-    }
+    } | ({"constraint": constraint} if constraint is not None else {})
     return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

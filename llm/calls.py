@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 T = TypeVar("T", bound=BaseModel)
 
+Enforcement = Literal["grammar", "json_schema"]
+"""How a backend holds an answer to its format while decoding: the whole grammar (in process, or a
+server that takes llguidance grammars), or only the JSON object's schema (`response_format`)."""
+
 ObservationMode = Literal["text", "image", "ocr", "ocr+ax"]
 """How a call showed the screenshots: none, as images, as OCR text, as OCR text and accessibility tree."""
 
@@ -65,6 +69,9 @@ class CallRecord(BaseModel):
     finish_reason: str | None = None
     text: str = Field(default="", description="The raw answer.")
     parse_error: str | None = None
+    constrained: Enforcement | None = Field(
+        default=None, description="How the answer was held to its format while decoding; None: decoded freely, "
+        "then parsed strictly.")
     error: str | None = Field(default=None, description="Why no answer came back.")
 
 

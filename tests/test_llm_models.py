@@ -18,17 +18,33 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Literal
 
 import httpx
 import pytest
 from conftest import require
+from llguidance import LLMatcher
 from PIL import Image, ImageDraw, ImageFont
+from pydantic import BaseModel
 
+from trajforge.critics.steps import StepJudgement
+from trajforge.critics.trajectory import TrajectoryJudgement
 from trajforge.data.blobs import BlobStore
+from trajforge.envs.actions import validate
+from trajforge.guidance.distill import Outcome
 from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
 from trajforge.llm.local import SMOLLM2_ID, load, missing_models
+from trajforge.llm.messages import TextPart
 from trajforge.llm.ocr import OcrReader
+from trajforge.llm.structured import Constraint
+from trajforge.query_gen.deep_search import CommandAnswer, SelectionAnswer
+from trajforge.query_gen.synthesis import InstructionAnswer
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
+from trajforge.rollout.mobile_agent import Notes, Plan, Reflection, WorkerAnswer
 from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_settings
+from trajforge.synth.grounding import Described
+from trajforge.synth.planning import ManualAnswer, PlanAnswer
+from trajforge.synth.semantics import Check
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
 
@@ -328,3 +344,79 @@ def test_missing_checkpoint_names_the_setting(tmp_path):
         FileNotFoundError, match=f"llm.local.model: {tmp_path / 'nope'} is not a transformers checkpoint"
     ):
         Gateway(LLMSettings(local={"model": str(tmp_path / "nope")}))
+
+
+# --------------------------------------------------------------------------- constrained decoding
+
+YES_NO = """
+version: 1
+format: json
+sampling: {max_tokens: 24}
+messages:
+  - role: user
+    content: "Is the sky blue? Answer with JSON."
+"""
+
+
+class YesNo(BaseModel):
+    answer: Literal["yes", "no"]
+
+
+def policy_prompt() -> Any:
+    """GUI-Owl's step prompt for a mobile screen, without a screenshot (a text model needs none here)."""
+    return load_prompt("gui_owl_e2e").render(
+        platform="mobile", width=412, height=732, tools=tool_spec("mobile"), function="mobile_use",
+        task="Open the inbox and read the newest mail", guidance=None, history=[], screenshots=[])
+
+
+def assert_valid_call(result: Any) -> None:
+    assert result.parse_error is None and result.parsed is not None, result.text
+    action = to_action(result.parsed, "mobile_use")
+    assert validate(action, 412, 732, "mobile") is None, action  # points included: on the screen
+
+
+def test_a_grammar_lets_the_model_write_only_what_it_allows(embedded):
+    model = load(LocalModelSettings())
+    ask = [Message(role="user", content=[TextPart(text="Write a long poem about the sea.")])]
+    answers = {model.generate(ask, Sampling(temperature=1.0, max_tokens=8, seed=seed), 'start: "yes" | "no"').text
+               for seed in range(4)}
+    assert answers <= {"yes", "no"} and answers
+    free = model.generate(ask, Sampling(max_tokens=8)).text
+    assert free not in ("yes", "no")  # the grammar, not the prompt, made those answers
+
+
+def test_every_structured_answer_has_a_grammar_that_compiles():
+    schemas = [StepJudgement, TrajectoryJudgement, InstructionAnswer, SelectionAnswer, CommandAnswer, Outcome,
+               Plan, WorkerAnswer, Reflection, Notes, Described, ManualAnswer, PlanAnswer, Check, YesNo]
+    for schema in schemas:
+        assert LLMatcher.validate_grammar(Constraint("json", schema.model_json_schema()).grammar) == "", schema
+    for space, function in FUNCTIONS.items():
+        grammar = Constraint("tool_call", call_schema(space, 1280, 800)).grammar  # type: ignore[arg-type]
+        assert LLMatcher.validate_grammar(grammar) == "", function
+
+
+def test_the_embedded_policy_writes_a_valid_action_when_constrained(embedded, tmp_path):
+    with Gateway(LLMSettings(), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
+        result = gw.chat_sync(policy_prompt(), schema=ToolCall, json_schema=call_schema("mobile", 412, 732))
+    assert result.record.constrained == "grammar" and len(result.calls) == 1  # no re-ask was needed
+    assert_valid_call(result)
+    with Gateway(LLMSettings(constrain=False), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
+        free = gw.chat_sync(policy_prompt(), schema=ToolCall, sampling=Sampling(max_tokens=8))
+    assert free.record.constrained is None and not free.record.cached  # a constrained answer is not reused
+
+
+@pytest.mark.parametrize("how", ["json_schema", "grammar"])
+def test_an_endpoint_holds_answers_to_their_format_as_configured(smollm2_server, tmp_path, how):
+    url, _ = smollm2_server
+    endpoint = {"base_url": url, "model": SMOLLM2_ID, "structured_output": how}
+    (tmp_path / "yes_no.yaml").write_text(YES_NO)
+    with Gateway(LLMSettings(endpoints={"box": endpoint}, default="box", cache=False)) as gw:
+        answer = gw.chat_sync(load_prompt("yes_no", tmp_path).render(), schema=YesNo)
+        policy = gw.chat_sync(policy_prompt(), schema=ToolCall, json_schema=call_schema("mobile", 412, 732))
+    assert answer.record.constrained == how and answer.parsed is not None, answer.text
+    assert answer.text == json.dumps(answer.parsed.model_dump())  # compact: no whitespace to spend tokens on
+    if how == "grammar":  # any format
+        assert policy.record.constrained == "grammar"
+        assert_valid_call(policy)
+    else:  # a JSON schema cannot say a tool_call answer's layout: parsed strictly instead
+        assert policy.record.constrained is None
