@@ -176,7 +176,7 @@ def run_episode(
 
 
 _CALL_FIELDS = ("template", "template_version", "model_id", "observation_mode", "cached", "reask",
-                "tokens_in", "tokens_out", "latency_ms", "parse_error")
+                "tokens_in", "tokens_out", "latency_ms", "parse_error", "constrained")
 
 
 def _call_summary(call: CallRecord) -> dict[str, Any]:

@@ -99,6 +99,41 @@ def tool_spec(space: actions.Space) -> str:
     return json.dumps({"type": "function", "function": function})
 
 
+MAX_TEXT = 80
+"""Longest text argument a constrained answer may type (a typed field's value, an answer)."""
+
+
+def call_schema(space: actions.Space, width: int, height: int) -> dict[str, Any]:
+    """The function call as a JSON schema, one branch per action with exactly its arguments and points on
+    the screen: an answer held to it while decoding is a call the action validator accepts."""
+    point = {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": max(width - 1, 0)},
+                                              {"type": "integer", "minimum": 0, "maximum": max(height - 1, 0)}],
+             "items": False, "minItems": 2, "maxItems": 2}
+    tighter: dict[str, dict[str, Any]] = {
+        "x": point, "x2": point,
+        "text": {"type": "string", "minLength": 1, "maxLength": MAX_TEXT},
+        "key": {"type": "string", "minLength": 1, "maxLength": 24},
+        "keys": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 24}, "minItems": 1,
+                 "maxItems": 4},
+        "seconds": {"type": "number", "minimum": 0, "maximum": actions.MAX_SECONDS},
+        "duration": {"type": "number", "minimum": 0, "maximum": actions.MAX_SECONDS},
+    }
+    branches = []
+    for kind, (required, optional) in actions.SPACES[space].items():
+        properties: dict[str, Any] = {"action": {"const": kind}}
+        names = ["action"]
+        for arg in (*required, *optional):
+            if arg in _ARGS:  # y and y2 travel inside coordinate and coordinate2
+                name, schema = _ARGS[arg]
+                properties[name] = tighter.get(arg, schema)
+                if arg in required:
+                    names.append(name)
+        branches.append({"type": "object", "properties": properties, "required": names,
+                         "additionalProperties": False})
+    return {"type": "object", "properties": {"name": {"const": FUNCTIONS[space]}, "arguments": {"anyOf": branches}},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
 def to_action(call: ToolCall, function: str) -> dict[str, Any]:
     """GUI-Owl's function arguments as a flat action of our space; ValueError says what is wrong."""
     if call.name != function:
@@ -181,7 +216,8 @@ class GuiOwlPolicy:
             function=function, task=self._task, guidance=self._query_guidance, history=self._history,
             screenshots=self._screens,
         )
-        result = self.gateway.chat_sync(rendered, model=self.model, schema=ToolCall)
+        result = self.gateway.chat_sync(rendered, model=self.model, schema=ToolCall,
+                                        json_schema=call_schema(self.space, observation.width, observation.height))
         self._model_id = result.record.model_id
         text = result.text
         thinking = _THINKING.search(text)

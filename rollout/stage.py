@@ -13,6 +13,8 @@ same ids and the catalog can tell a redone shard from new work.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ from trajforge.schemas.config import RolloutSettings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Episode, Query, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+
+logger = logging.getLogger(__name__)
 
 
 def episode_id_for(run_id: str, query_id: str, attempt: int = 1) -> str:
@@ -133,6 +137,7 @@ def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, setting
             if episode.status == "env_fault":
                 outcome = "no reruns left" if last else "rerun"
                 output.dropped[f"env_fault {episode.fault_kind}: {outcome}"] += 1
+    _count_policy_steps(output)
     for episode in output.rows["episodes"]:  # lineage: which model and prompt versions acted
         if episode.model_id not in ("replay", "random"):
             output.models["policy_model"] = episode.model_id
@@ -196,6 +201,26 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
             snapshots["guidance"] = guidance_snapshot
     units = [RolloutUnit(Query.model_validate(q), guidance.get(q["query_id"])) for q in frame.to_dicts()]
     return Inputs(units=units, snapshots=snapshots)
+
+
+def _count_policy_steps(output: StageOutput) -> None:
+    """The model policy's steps in the lineage (valid actions, constrained answers, model time), and said."""
+    calls = 0
+    for step in output.rows["steps"]:
+        assert isinstance(step, Step)
+        if step.model_calls_json is None:  # replay and random policies ask no model
+            continue
+        output.stats["policy steps"] += 1
+        output.stats["policy steps with a valid action"] += step.action_valid
+        for call in json.loads(step.model_calls_json):
+            calls += 1
+            output.stats["policy model ms"] += round(call["latency_ms"])
+            output.stats["policy calls constrained while decoding"] += call.get("constrained") is not None
+    if steps := output.stats["policy steps"]:
+        logger.info("rollout: %d policy steps, %.0f%% with a valid action, %d of %d calls constrained, "
+                    "%.1f s of model time per step", steps, 100 * output.stats["policy steps with a valid action"]
+                    / steps, output.stats["policy calls constrained while decoding"], calls,
+                    output.stats["policy model ms"] / 1000 / steps)
 
 
 def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:

@@ -164,7 +164,8 @@ class Step(Record):
     model_calls_json: str | None = Field(
         default=None,
         description="The model calls behind the step: [{template, template_version, model_id, observation_mode, "
-        "cached, reask, tokens_in, tokens_out, latency_ms, parse_error}].",
+        "cached, reask, tokens_in, tokens_out, latency_ms, parse_error, constrained}]; constrained: how the "
+        "answer was held to its format while decoding ('grammar', 'json_schema'), or null.",
     )
     roles_json: str | None = Field(
         default=None, description="Multi-agent policies: each role's inputs, raw output and parsed output."

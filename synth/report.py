@@ -7,6 +7,7 @@ it. Everything comes from the run's catalog rows, so the report can be rebuilt l
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import polars as pl
@@ -101,6 +102,25 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
     return lines + [""]
 
 
+def render_policy(ws: Workspace, run_id: str) -> list[str]:
+    """The model policy's steps this run: how many acted validly, how many answers were held to their
+    format while decoding, and the model time a step cost."""
+    steps = _this_run(ws, "steps", run_id)
+    if steps is None or "model_calls_json" not in steps.columns:
+        return []
+    steps = steps.filter(pl.col("model_calls_json").is_not_null())
+    if steps.height == 0:
+        return []
+    calls = [c for raw in steps["model_calls_json"] for c in json.loads(raw)]
+    constrained = sum(c.get("constrained") is not None for c in calls)
+    seconds = sum(c["latency_ms"] for c in calls) / 1000 / steps.height
+    valid = int(steps["action_valid"].sum())
+    return ["## The policy's steps", "",
+            f"{steps.height} steps, {valid} ({valid / steps.height:.0%}) with a valid action; {constrained} of "
+            f"{len(calls)} model answers held to their format while decoding; {seconds:.1f} s of model time per "
+            "step.", ""]
+
+
 def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     """Write the run's report to `<warehouse>/reports/<run_id>.md` (rebuilt the same on a resumed run)."""
     history = ws.catalog.load("query_history")
@@ -117,5 +137,5 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     report = render_report(run_id=run_id, tag=tag, iteration=loop.iteration, history=history, guidance=guidance,
                            hard_before=hard_before)
-    path.write_text(report + "\n" + "\n".join(render_yield(ws, run_id)))
+    path.write_text(report + "\n" + "\n".join(render_policy(ws, run_id) + render_yield(ws, run_id)))
     return path

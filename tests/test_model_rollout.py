@@ -1,8 +1,9 @@
 """Rollouts driven by a real model: the embedded SmolLM2 through the gateway, in a real browser.
 
-Quality is not judged (a 135M text model rarely produces a valid call); the loop is:
+Quality is not judged (a 135M text model's actions are rarely the right ones); the loop is:
 real model calls, real actions, rows that name the model and the template versions,
-each role of Mobile-Agent-v3 recorded, and a rerun that asks the model nothing.
+each role of Mobile-Agent-v3 recorded, and a rerun that asks the model nothing. Decoding
+is constrained by default, so every action the embedded model writes is a valid one.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embe
     assert {(c["template"], c["template_version"], c["model_id"]) for c in calls} == {("gui_owl_e2e", "1", SMOLLM2_ID)}
     assert set(steps["observation_mode"]) == {"ocr+ax"}  # a text-only model saw OCR text, and says so
     assert not any(c["cached"] for c in calls)
+    # held to its format while decoding: no unparsable answer, no invalid action (a wrong one, maybe)
+    assert {c["constrained"] for c in calls} == {"grammar"} and not any(c["parse_error"] for c in calls)
+    assert steps["action_valid"].all(), steps.filter(~pl.col("action_valid"))["action_error"].to_list()
+    report = next((tmp_path / "data" / "warehouse" / "reports").glob("*.md")).read_text()
+    assert f"{steps.height} steps, {steps.height} (100%) with a valid action" in report
     lineage = ws.catalog.lineage("episodes")
     assert lineage.models["policy_model"] == SMOLLM2_ID and lineage.prompts == {"gui_owl_e2e": "1"}
     assert ws.catalog.load("verdicts").height == episodes.height
