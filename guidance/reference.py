@@ -103,7 +103,8 @@ def record_references(units: list[ReferenceUnit], ws: Workspace, run_id: str, _:
     versions: dict[tuple[str, str], ReferenceUnit] = {}
     for viewport in sorted({u.viewport for u in units}):
         mine = [u for u in units if u.viewport == viewport]
-        settings = ws.settings.rollout.model_copy(update={"policy": "replay", "viewport": viewport})
+        settings = ws.settings.rollout.model_copy(
+            update={"policy": "replay", "viewport": viewport, "samples_per_query": 1})  # one recording each
         # the policy's viewport keeps the ids references had before there were two
         tag = "reference" if viewport == ws.settings.rollout.viewport else f"reference-{viewport}"
         done = rollout([u.query for u in mine], run_id=f"{run_id}-{tag}", settings=settings, blobs=ws.blobs)

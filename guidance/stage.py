@@ -170,7 +170,7 @@ def run_guidance(units: list[HardQuery], ws: Workspace, run_id: str, _: str) -> 
 
     def replay(queries: list[Query]) -> list[tuple[Episode, list[Step], bool]]:
         """Each query's reference path replayed in its app now, with its checker's answer."""
-        settings = ws.settings.rollout.model_copy(update={"policy": "replay"})
+        settings = ws.settings.rollout.model_copy(update={"policy": "replay", "samples_per_query": 1})
         out = rollout(queries, run_id=f"{run_id}-reference", settings=settings, blobs=ws.blobs)
         steps: dict[str, list[Step]] = {}
         for step in out.rows["steps"]:

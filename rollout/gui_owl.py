@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from trajforge.envs import actions
 from trajforge.envs.browser import Observation
 from trajforge.llm import Gateway, ImagePart, load_prompt
-from trajforge.rollout.policy import PolicyOutput
+from trajforge.rollout.policy import Draw, PolicyOutput
 from trajforge.schemas.records import Query
 
 PROMPT = "gui_owl_e2e"
@@ -178,9 +178,11 @@ class GuiOwlPolicy:
     name = "gui_owl_e2e"
 
     def __init__(self, gateway: Gateway, *, viewport: str, model: str | None = None, history_images: int = 1,
-                 guidance: dict[str, str] | None = None) -> None:
-        """`guidance` maps query ids to guidance texts (paper 6.4) given to those queries."""
+                 guidance: dict[str, str] | None = None, draw: Draw | None = None) -> None:
+        """`guidance` maps query ids to guidance texts (paper 6.4) given to those queries; `draw` samples
+        (None: the prompt's greedy decoding)."""
         self.gateway = gateway
+        self.draw = draw
         self.model = model
         self.space = actions.space_for(viewport)
         self.history_images = history_images
@@ -217,6 +219,7 @@ class GuiOwlPolicy:
             screenshots=self._screens,
         )
         result = self.gateway.chat_sync(rendered, model=self.model, schema=ToolCall,
+                                        sampling=self.draw.of(rendered.sampling) if self.draw else None,
                                         json_schema=call_schema(self.space, observation.width, observation.height))
         self._model_id = result.record.model_id
         text = result.text

@@ -27,7 +27,7 @@ from trajforge.envs.browser import Observation
 from trajforge.llm import CallRecord, Gateway, ImagePart, load_prompt
 from trajforge.llm.calls import ChatResult
 from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, action_lines, to_action
-from trajforge.rollout.policy import PolicyOutput
+from trajforge.rollout.policy import Draw, PolicyOutput
 from trajforge.schemas.records import Query
 
 
@@ -61,9 +61,12 @@ class MobileAgentPolicy:
     name = "mobile_agent_v3"
 
     def __init__(self, gateway: Gateway, *, viewport: str, model: str | None = None,
-                 guidance: dict[str, str] | None = None, knowledge: Callable[[str], str] | None = None) -> None:
-        """`knowledge` is the retrieval hook (paper 7.2.1): instruction -> text for the Manager."""
+                 guidance: dict[str, str] | None = None, knowledge: Callable[[str], str] | None = None,
+                 draw: Draw | None = None) -> None:
+        """`knowledge` is the retrieval hook (paper 7.2.1): instruction -> text for the Manager; `draw`
+        samples every role (None: each prompt's greedy decoding)."""
         self.gateway = gateway
+        self.draw = draw
         self.model = model
         self.space = actions.space_for(viewport)
         self.guidance = guidance or {}
@@ -97,8 +100,9 @@ class MobileAgentPolicy:
     def _ask(self, role: str, schema: type[BaseModel], screens: list[Observation], record: dict[str, Any],
              calls: list[CallRecord], **variables: Any) -> Any:
         images = [ImagePart(png=o.png, ax_tree=o.ax_tree) for o in screens]
+        rendered = self.prompts[role].render(task=self._task, screenshots=images, **variables)
         result: ChatResult[Any] = self.gateway.chat_sync(
-            self.prompts[role].render(task=self._task, screenshots=images, **variables), model=self.model, schema=schema
+            rendered, model=self.model, schema=schema, sampling=self.draw.of(rendered.sampling) if self.draw else None
         )
         self._model_id = result.record.model_id
         calls.extend(result.calls)

@@ -12,8 +12,22 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trajforge.envs.browser import BrowserEnv, Observation
-from trajforge.llm.calls import CallRecord
+from trajforge.llm.calls import CallRecord, Sampling
 from trajforge.schemas.records import Query
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How one sampled attempt decodes: the configured temperature and top-p, and the attempt's own seed
+    (part of each call's cache key, so the same attempt asked again is answered by the cache)."""
+
+    temperature: float
+    top_p: float
+    seed: int | None
+
+    def of(self, sampling: Sampling) -> Sampling:
+        """A prompt's sampling with this attempt's (its max_tokens and stop strings kept)."""
+        return sampling.model_copy(update={"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed})
 
 
 @dataclass(frozen=True)

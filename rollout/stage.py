@@ -32,7 +32,7 @@ from trajforge.llm.workspace import Workspace
 from trajforge.rollout.episode import BlobSink, run_episode
 from trajforge.rollout.gui_owl import GuiOwlPolicy
 from trajforge.rollout.mobile_agent import MobileAgentPolicy
-from trajforge.rollout.policy import Policy
+from trajforge.rollout.policy import Draw, Policy
 from trajforge.rollout.random_policy import RandomPolicy
 from trajforge.rollout.replay import ReplayPolicy
 from trajforge.schemas.config import RolloutSettings
@@ -43,17 +43,27 @@ from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 logger = logging.getLogger(__name__)
 
 
-def episode_id_for(run_id: str, query_id: str, attempt: int = 1) -> str:
-    """Deterministic episode id: the same run, query and attempt always give the same id.
+def episode_id_for(run_id: str, query_id: str, attempt: int = 1, sample: int = 0) -> str:
+    """Deterministic episode id: the same run, query, sample and attempt always give the same id.
 
-    The first attempt keeps the id episodes had before reruns existed.
+    The first sample's first attempt keeps the id episodes had before reruns and samples existed.
     """
-    key = f"{run_id}\x00{query_id}" + (f"\x00{attempt}" if attempt > 1 else "")
+    key = f"{run_id}\x00{query_id}" + (f"\x00{attempt}" if attempt > 1 else "") + (f"\x00s{sample}" if sample else "")
     return digest(key, 24)
 
 
+def draw_for(settings: RolloutSettings, seed_base: str, query_id: str, sample: int) -> Draw | None:
+    """How one attempt of a query decodes: None (greedy) at temperature 0; else sampled with a seed drawn
+    from `seed_base` (the queries version the night read), so a rerun of that night asks for the same
+    samples, which the response cache answers, and a new night's queries version samples anew."""
+    if settings.temperature == 0:
+        return None
+    seed = int(digest(f"{seed_base}\x00{query_id}\x00{sample}", 8), 16)
+    return Draw(settings.temperature, settings.top_p, seed)
+
+
 def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gateway | None,
-                guidance: dict[str, str] | None = None) -> Policy:
+                guidance: dict[str, str] | None = None, draw: Draw | None = None) -> Policy:
     """The configured policy for one app's queries (`spec`: its page graph, if it has one); model-driven ones
     need the gateway.
 
@@ -67,22 +77,23 @@ def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gatewa
     if gateway is None:
         raise ValueError(f"policy {settings.policy!r} asks a model: the rollout needs a gateway")
     if settings.policy == "mobile_agent_v3":
-        return MobileAgentPolicy(gateway, viewport=settings.viewport, model=settings.model)
+        return MobileAgentPolicy(gateway, viewport=settings.viewport, model=settings.model, draw=draw)
     return GuiOwlPolicy(gateway, viewport=settings.viewport, model=settings.model,
-                        history_images=settings.history_images, guidance=guidance)
+                        history_images=settings.history_images, guidance=guidance, draw=draw)
 
 
 def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, settings: RolloutSettings,
             blobs: BlobSink, gateway: Gateway | None = None,
-            guidance: dict[str, tuple[str, str]] | None = None) -> StageOutput:
-    """Run every query of the shard with the configured policy and viewport.
+            guidance: dict[str, tuple[str, str]] | None = None, seed_base: str = "") -> StageOutput:
+    """Run every query of the shard `rollout.samples_per_query` times with the configured policy and viewport.
 
     `guidance` maps query ids to (guidance id, text): those queries' episodes are guided
-    rollouts of the self-evolving loop, and their rows name the guidance.
+    rollouts of the self-evolving loop, and their rows name the guidance. `seed_base` makes
+    the sampled attempts' seeds (`draw_for`).
 
     A query whose app is unknown, or whose kind cannot run here (an Android query with no
-    device, a suite task under the replay policy), is dropped with the reason. Every env_fault episode is counted in `dropped` under its
-    fault kind, as rerun or as the query's last attempt.
+    device, a suite task under the replay policy), is dropped with the reason. Every env_fault
+    episode is counted in `dropped` under its fault kind, as rerun or as the sample's last attempt.
     """
     output = StageOutput(rows={"episodes": [], "steps": []}, models={"policy": settings.policy}, prompts={})
     parsed = [q if isinstance(q, Query) else Query.model_validate(q) for q in queries]
@@ -107,17 +118,21 @@ def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, setting
     texts = {query_id: text for query_id, (_, text) in guidance.items()}
 
     def attempts(env: Any, q: Query, start_url: str) -> list[tuple[Episode, list[Step]]]:
-        """The query's episodes: the first, and a rerun after each env fault while retries last."""
+        """The query's episodes: each sample's first, and a rerun after each env fault while retries last."""
         runs = []
-        for attempt in range(1, settings.max_fault_retries + 2):
-            runs.append(run_episode(
-                env, make_policy(settings, kinds[q.app].spec, gateway, texts), q, run_id=run_id,
-                episode_id=episode_id_for(run_id, q.query_id, attempt), attempt=attempt,
-                blobs=blobs, max_steps=q.max_steps, start_url=start_url,
-                max_invalid=settings.max_invalid_actions,
-            ))
-            if runs[-1][0].status != "env_fault":
-                break
+        for sample in range(settings.samples_per_query):
+            draw = draw_for(settings, seed_base, q.query_id, sample)
+            for attempt in range(1, settings.max_fault_retries + 2):
+                episode, steps = run_episode(
+                    env, make_policy(settings, kinds[q.app].spec, gateway, texts, draw), q, run_id=run_id,
+                    episode_id=episode_id_for(run_id, q.query_id, attempt, sample), attempt=attempt,
+                    blobs=blobs, max_steps=q.max_steps, start_url=start_url,
+                    max_invalid=settings.max_invalid_actions,
+                )
+                runs.append((episode.model_copy(update={"sample": sample, "seed": draw.seed if draw else None}),
+                             steps))
+                if episode.status != "env_fault":
+                    break
         return runs
 
     results: list[list[tuple[Episode, list[Step]]]] = []
@@ -127,8 +142,8 @@ def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, setting
     if in_browser := [q for q in runnable if kinds[q.app].in_browser]:
         results += _in_browser(in_browser, kinds, settings, attempts)
     for runs in results:
-        for episode, steps in runs:
-            last = episode is runs[-1][0]
+        for i, (episode, steps) in enumerate(runs):
+            last = i == len(runs) - 1 or runs[i + 1][0].sample != episode.sample  # this sample's last attempt
             if episode.query_id in guidance:
                 episode = episode.model_copy(update={"guidance_id": guidance[episode.query_id][0]})
                 output.stats["guided episodes"] += 1
@@ -184,6 +199,8 @@ class RolloutUnit:
 
     query: Query
     guidance: GuidanceRef | None = None
+    seed_base: str = ""
+    """The queries version it came from: its sampled attempts' seeds are drawn from it."""
 
 
 def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
@@ -199,7 +216,8 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
                     for r in rows.select("query_id", "guidance_id", "text").to_dicts()}
         if guidance:
             snapshots["guidance"] = guidance_snapshot
-    units = [RolloutUnit(Query.model_validate(q), guidance.get(q["query_id"])) for q in frame.to_dicts()]
+    units = [RolloutUnit(Query.model_validate(q), guidance.get(q["query_id"]), f"queries@{snapshot}")
+             for q in frame.to_dicts()]
     return Inputs(units=units, snapshots=snapshots)
 
 
@@ -231,7 +249,7 @@ def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -
         settings = settings.model_copy(update={"model": iteration_model})
     guidance = {u.query.query_id: (u.guidance.guidance_id, u.guidance.text) for u in units if u.guidance}
     out = rollout([u.query for u in units], run_id=run_id, settings=settings, blobs=ws.blobs, gateway=ws.gateway,
-                  guidance=guidance)
+                  guidance=guidance, seed_base=units[0].seed_base if units else "")
     out.stats[f"model iteration {ws.settings.loop.iteration}"] += len(out.rows["episodes"])
     return out
 

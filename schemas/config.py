@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from trajforge.schemas.ids import digest
@@ -143,6 +152,13 @@ class RolloutSettings(_Section):
         default=None, description="The llm model the policy asks ('local' or an endpoint); default llm.default."
     )
     history_images: int = Field(default=1, ge=1, le=3, description="Newest screenshots in each policy prompt.")
+    samples_per_query: int = Field(
+        default=1, gt=0, description="Attempts per query per night (paper 2.2.3's repeated rollouts), each "
+        "sampled with its own seed: a rerun of the same night over the same queries version is answered by the "
+        "response cache; a new night samples anew.")
+    temperature: float = Field(
+        default=0.0, ge=0, description="The model policy's sampling temperature; 0: greedy (the prompt's own).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="The model policy's nucleus sampling.")
     max_invalid_actions: int = Field(
         default=3, gt=0, description="Invalid actions in a row after which an episode ends as 'stalled'."
     )
@@ -159,6 +175,15 @@ class RolloutSettings(_Section):
     max_fault_retries: int = Field(
         default=2, ge=0, description="Reruns of a query whose episode ended in an environment fault."
     )
+
+    @model_validator(mode="after")
+    def _samples_differ(self) -> RolloutSettings:
+        if self.samples_per_query > 1 and (self.temperature == 0 or self.policy in ("replay", "random")):
+            raise ValueError(
+                f"rollout.samples_per_query: {self.samples_per_query} attempts of the {self.policy} policy at "
+                f"temperature {self.temperature} would be copies of one episode; sample a model policy "
+                "(gui_owl_e2e, mobile_agent_v3) with rollout.temperature > 0")
+        return self
 
 
 class CriticSettings(_Section):

@@ -106,6 +106,10 @@ class Episode(Record):
     guidance_id: str | None = Field(
         default=None, description="The guidance row (table guidance) offered to the policy for this query; None: unguided."
     )
+    sample: int | None = Field(
+        default=None, ge=0, description="Which of the query's rollout.samples_per_query attempts this night (0 first).")
+    seed: int | None = Field(
+        default=None, description="The sampled attempt's seed (part of each model call's cache key); None: greedy.")
     source: Literal["policy", "reference"] | None = Field(
         default="policy", description="reference: the query's reference path replayed (stage `reference`), correct "
         "by construction; policy: the configured policy acted (None in rows written before this field).")

@@ -87,6 +87,39 @@ def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embe
     assert all(c["cached"] for c in calls_of(rerun)), "the rerun asked the model again"
 
 
+def test_sampled_attempts_differ_and_the_same_night_asked_again_is_cached(tmp_path, embedded, chromium, shop,
+                                                                          server):
+    """rollout.samples_per_query: each attempt its own seed; the seeds come from the queries version."""
+    settings = Settings(warehouse={"path": tmp_path / "wh"}, llm={"reask": 0},
+                        rollout={"samples_per_query": 2, "temperature": 1.0, "contexts": 1})
+    ws = Workspace.open(settings)
+    query = make_query(shop.spec, "cart", query_id="q-sampled").model_copy(update={"max_steps": 1})
+
+    def night(seed_base: str, run_id: str):
+        return rollout([query], run_id=run_id, settings=settings.rollout, blobs=ws.blobs, gateway=ws.gateway,
+                       seed_base=seed_base)
+
+    first = night("queries@1", "night-1")
+    episodes, steps = first.rows["episodes"], first.rows["steps"]
+    assert [e.sample for e in episodes] == [0, 1] and len({e.episode_id for e in episodes}) == 2
+    assert episodes[0].seed != episodes[1].seed and None not in (episodes[0].seed, episodes[1].seed)
+    assert steps[0].raw_output != steps[1].raw_output  # two draws, not one answer twice
+    assert all(s.action_valid for s in steps)
+
+    again = night("queries@1", "night-1-rerun")  # the same queries version: the same draws, from the cache
+    assert [s.raw_output for s in again.rows["steps"]] == [s.raw_output for s in steps]
+    assert all(c["cached"] for s in again.rows["steps"] for c in json.loads(s.model_calls_json))
+    new = night("queries@2", "night-2")  # a new night's queries: new draws
+    assert not any(c["cached"] for s in new.rows["steps"] for c in json.loads(s.model_calls_json))
+
+
+def test_samples_of_a_greedy_or_replayed_policy_are_refused():
+    greedy, replayed = {"samples_per_query": 4}, {"samples_per_query": 4, "temperature": 0.7, "policy": "replay"}
+    for rollout_settings in (greedy, replayed):
+        with pytest.raises(ValueError, match="rollout.samples_per_query: 4 attempts .* copies of one episode"):
+            Settings(rollout=rollout_settings)
+
+
 def test_mobile_agent_records_every_role_per_step(tmp_path, embedded, chromium, shop, server):
     settings = Settings(
         warehouse={"path": tmp_path / "wh"}, llm={"reask": 0},

@@ -1,0 +1,67 @@
+"""What constrained decoding costs the in-process model: milliseconds per generated token, held to
+the policy's grammar against free decoding of the same prompts, in the same process.
+
+The prompts are GUI-Owl's step prompt for a few tasks (no screenshot, so no OCR time); each is
+answered free and constrained, alternating, `--rounds` times, with the response cache off. The
+grammar's answers are shorter (bounded reasoning), so the figure compared is time per token;
+the answer's validity is printed beside it.
+
+Prints a table; never asserts.
+
+    python benchmarks/constrain_bench.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from trajforge.envs.actions import validate
+from trajforge.llm import Gateway, load_prompt
+from trajforge.rollout.gui_owl import ToolCall, call_schema, to_action, tool_spec
+from trajforge.schemas.config import LLMSettings
+
+TASKS = ("Open the inbox and read the newest mail", "Add a large Pad Thai to the cart",
+         "Turn the volume setting to high", "Create a note titled Groceries")
+WIDTH, HEIGHT = 412, 732
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2, help="Times each task is answered each way.")
+    args = parser.parse_args()
+    prompt = load_prompt("gui_owl_e2e")
+    schema = call_schema("mobile", WIDTH, HEIGHT)
+    figures = {mode: {"seconds": 0.0, "tokens": 0, "valid": 0, "answers": 0} for mode in ("free", "constrained")}
+    for mode in figures:  # load the model and llguidance's tokenizer before timing
+        with Gateway(LLMSettings(cache=False, reask=0, constrain=mode == "constrained")) as gw:
+            gw.chat_sync(prompt.render(platform="mobile", width=WIDTH, height=HEIGHT, tools=tool_spec("mobile"),
+                                       function="mobile_use", task="warm up", guidance=None, history=[],
+                                       screenshots=[]), schema=ToolCall, json_schema=schema)
+    for _ in range(args.rounds):
+        for task in TASKS:
+            for mode, numbers in figures.items():
+                rendered = prompt.render(platform="mobile", width=WIDTH, height=HEIGHT, tools=tool_spec("mobile"),
+                                         function="mobile_use", task=task, guidance=None, history=[], screenshots=[])
+                with Gateway(LLMSettings(cache=False, reask=0, constrain=mode == "constrained")) as gw:
+                    start = time.perf_counter()
+                    result = gw.chat_sync(rendered, schema=ToolCall, json_schema=schema)
+                    numbers["seconds"] += time.perf_counter() - start
+                numbers["tokens"] += result.record.tokens_out or 0
+                numbers["answers"] += 1
+                if result.parsed is not None:
+                    try:
+                        numbers["valid"] += validate(to_action(result.parsed, "mobile_use"), WIDTH, HEIGHT) is None
+                    except ValueError:
+                        pass
+    print(f"{'decoding':<12} {'answers':>7} {'valid':>6} {'tokens/answer':>13} {'ms/token':>9} {'s/answer':>9}")
+    for mode, n in figures.items():
+        print(f"{mode:<12} {n['answers']:>7} {n['valid']:>6} {n['tokens'] / n['answers']:>13.0f} "
+              f"{1000 * n['seconds'] / n['tokens']:>9.1f} {n['seconds'] / n['answers']:>9.1f}")
+    free, held = figures["free"], figures["constrained"]
+    ratio = (held["seconds"] / held["tokens"]) / (free["seconds"] / free["tokens"])
+    print(f"constrained / free, time per token: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
