@@ -71,6 +71,7 @@ def run_episode(
     viewport: str | None = None,
     attempt: int = 1,
     max_invalid: int | None = None,
+    max_repeats: int | None = None,
 ) -> tuple[Episode, list[Step]]:
     """Reset the env (session = episode_id), loop observe -> act until terminate or
     `max_steps` (default: the query's), then read the app's state.
@@ -80,14 +81,17 @@ def run_episode(
     faults. A step's duration_ms is the whole step: the policy's decision, the action
     with its navigation, and the next observation. After `max_invalid` invalid actions
     in a row the episode ends as `stalled`: a policy that cannot produce an action
-    would only spend the step budget (and model time) repeating itself.
+    would only spend the step budget (and model time) repeating itself. So does one that
+    repeats a valid action the screen does not respond to: after `max_repeats` such
+    repeats in a row the episode ends as `stalled` too (measured: with constrained decoding
+    the embedded model clicks the same point on an unchanged screen for all of its steps).
     """
     q = query if isinstance(query, Query) else Query.model_validate(query)
     limit = max_steps if max_steps is not None else q.max_steps
     started = _now()
     steps: list[Step] = []
     status, fault, fault_kind = "max_steps", None, None
-    invalid_in_a_row = 0
+    invalid_in_a_row = repeats_in_a_row = 0
     final_state: dict[str, Any] = {}
     try:
         env.reset(episode_id, start_url)
@@ -136,9 +140,16 @@ def run_episode(
                 model_calls_json=json.dumps([_call_summary(c) for c in out.calls]) if out.calls else None,
                 roles_json=json.dumps(out.roles, default=str) if out.roles is not None else None,
             ))
+            repeated = (error is None and len(steps) > 1 and after_ref.sha256 == before_ref.sha256
+                        and (steps[-2].action_type, steps[-2].action_json) == (steps[-1].action_type,
+                                                                               steps[-1].action_json))
             before, before_ref = after, after_ref
             invalid_in_a_row = invalid_in_a_row + 1 if error is not None else 0
+            repeats_in_a_row = repeats_in_a_row + 1 if repeated else 0
             if max_invalid is not None and invalid_in_a_row >= max_invalid:
+                status = "stalled"
+                break
+            if max_repeats is not None and repeats_in_a_row >= max_repeats:
                 status = "stalled"
                 break
             if error is None and actions.normalize(action, env.space).get("type") == "terminate":

@@ -127,7 +127,7 @@ def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, setting
                     env, make_policy(settings, kinds[q.app].spec, gateway, texts, draw), q, run_id=run_id,
                     episode_id=episode_id_for(run_id, q.query_id, attempt, sample), attempt=attempt,
                     blobs=blobs, max_steps=q.max_steps, start_url=start_url,
-                    max_invalid=settings.max_invalid_actions,
+                    max_invalid=settings.max_invalid_actions, max_repeats=settings.max_repeated_actions,
                 )
                 runs.append((episode.model_copy(update={"sample": sample, "seed": draw.seed if draw else None}),
                              steps))

@@ -162,6 +162,9 @@ class RolloutSettings(_Section):
     max_invalid_actions: int = Field(
         default=3, gt=0, description="Invalid actions in a row after which an episode ends as 'stalled'."
     )
+    max_repeated_actions: int = Field(
+        default=2, gt=0, description="Repeats in a row of the previous action on a screen it left unchanged after "
+        "which an episode ends as 'stalled' (2: the third identical no-op ends it).")
     viewport: Literal["mobile", "desktop"] = "mobile"
     reference_viewports: list[Literal["mobile", "desktop"]] = Field(
         default=["mobile", "desktop"], min_length=1,

@@ -200,6 +200,15 @@ def test_max_steps_ends_the_episode(shop: BundledApp, env: BrowserEnv, blobs: Bl
 
 
 @pytest.mark.browser
+def test_an_action_repeated_on_a_screen_it_does_not_change_stalls(shop: BundledApp, env: BrowserEnv,
+                                                                   blobs: BlobStore) -> None:
+    """A policy in a loop (the embedded model clicking one point again and again) ends early."""
+    episode, steps = run_episode(env, ScriptedPolicy([{"type": "wait", "seconds": 0}]), make_query(shop.spec, "cart"),
+                                 run_id="t", episode_id="ep-loop", blobs=blobs, max_steps=8, max_repeats=2)
+    assert episode.status == "stalled" and len(steps) == 3 and all(s.action_valid for s in steps)
+
+
+@pytest.mark.browser
 def test_swipe_or_wheel_scrolls_and_replay_scrolls_to_offscreen_elements(shop: BundledApp, env: BrowserEnv,
                                                                blobs: BlobStore) -> None:
     env.reset("swipe")
