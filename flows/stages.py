@@ -23,6 +23,7 @@ NIGHTLY: tuple[str, ...] = (
     "trajforge.synth.export",
     "trajforge.synth.grounding",  # every distinct screen of the run: elements, words, characters, regions
     "trajforge.synth.semantics",  # every valid step: the action from before/after, and described
+    "trajforge.synth.reasoning",  # trusted steps: sampled reasonings kept when their action matches; distilled roles
     "trajforge.synth.planning",  # manuals per app and task family (measured), plans checked against page graphs
 )
 

@@ -395,6 +395,17 @@ class SynthSettings(_Section):
         "(`manual_trials` policy episodes each).")
     plans_per_app: int = Field(default=1, ge=0, description="Complex tasks the model proposes and plans per app.")
     screens_per_shard: int = Field(default=25, gt=0, description="Screens per resumable unit of grounding work.")
+    reasoning_steps_per_shard: int = Field(
+        default=2, ge=0, description="Trusted steps per shard of episodes given reasoning synthesis (GUI-Owl 2.2.3): "
+        "per step and hint style up to `reasoning_tries` reasoning + prediction calls, then one hinted call if none "
+        "matched.")
+    hint_styles: list[Literal["cot", "simple"]] = Field(
+        default=["cot", "simple"], description="The hint styles reasoning is sampled under: cot, a fixed chain of "
+        "thought (prompt reasoning_cot); simple, the shortest reasoning that decides the step (reasoning_simple).")
+    reasoning_tries: int = Field(
+        default=1, gt=0, description="k: reasonings sampled per step and style (a seed each) before the style gives up.")
+    match_tolerance_px: float = Field(
+        default=14.0, ge=0, description="A predicted point matches within this many pixels of the target's box.")
 
 
 class Settings(BaseSettings):

@@ -407,6 +407,40 @@ class ActionSemantics(Record):
     _json = field_validator("action_json")(_check_json)
 
 
+class ReasoningSample(Record):
+    """One sampled reasoning for a trusted step (GUI-Owl 2.2.3): kept when the action predicted from it alone
+    matches the trusted action, or written with the answer given (`hinted_with_answer`), or distilled from the
+    Mobile-Agent-v3 roles' outputs. Rejected samples are rows too (kept false), so a style's rate is countable."""
+
+    table: ClassVar[str] = "reasoning_samples"
+    key: ClassVar[str] = "reasoning_id"
+
+    reasoning_id: str
+    step_id: str
+    episode_id: str
+    query_id: str
+    trusted: Literal["reference", "accepted"] = Field(
+        description="Why the step's action is trusted: a checked reference replay, or a trajectory the critics "
+        "accepted.")
+    hint_style: str = Field(description="The prompt that asked for the reasoning: cot, simple, hinted or distilled.")
+    attempt: int = Field(ge=0, description="Which try of its style (synth.reasoning_tries); its sampling seed.")
+    reasoning: str
+    raw_output: str
+    trusted_action_json: str
+    predicted_action_json: str | None = Field(
+        default=None, description="The action a call seeing only the reasoning and the screen gave; None: no "
+        "answer, or a hinted or distilled sample (not checked by prediction).")
+    predict_raw_output: str | None = None
+    matched: bool | None = Field(default=None, description="synth.match of predicted and trusted; None: not checked.")
+    match_reason: str
+    kept: bool
+    hinted_with_answer: bool = Field(description="The model was shown the trusted action (no sampled reasoning matched).")
+    model_id: str
+    prompt_version: str
+
+    _json = field_validator("trusted_action_json")(_check_json)
+
+
 class Manual(Record):
     """A task manual per app and task family, distilled from successful trajectories, with its measured value."""
 
@@ -471,8 +505,18 @@ class PlanningChat(ChatSample):
     table: ClassVar[str] = "train_planning"
 
 
+class ReasoningChat(ChatSample):
+    """A trusted step as a policy sample (the messages of `train_e2e`) whose thinking is a kept reasoning."""
+
+    table: ClassVar[str] = "train_reasoning"
+
+    hint_style: str
+    hinted_with_answer: bool
+
+
 RECORDS: dict[str, type[Record]] = {
     m.table: m
     for m in (Query, Page, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep,
-              GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat)
+              GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat,
+              ReasoningSample, ReasoningChat)
 }

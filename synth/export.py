@@ -53,8 +53,6 @@ def export(units: list[ExportUnit], *, run_id: str, tag: str, blobs: BlobStore) 
         if not unit.success:
             out.dropped["trajectory not accepted by the critics"] += 1
             continue
-        space = actions.space_for(unit.episode.viewport)
-        function = FUNCTIONS[space]
         history: list[str] = []
         for step in unit.steps:
             critique = unit.labels.get(step.step_id)
@@ -65,17 +63,23 @@ def export(units: list[ExportUnit], *, run_id: str, tag: str, blobs: BlobStore) 
             elif not step.action_valid:
                 out.dropped["invalid action: nothing to learn"] += 1
             else:
-                out.rows["train_e2e"].append(_sample(unit.episode, step, label, summary, history, prompt, space,
-                                                     function, run_id=run_id, tag=tag, blobs=blobs))
+                out.rows["train_e2e"].append(_sample(unit.episode, step, label, summary, history,
+                                                     run_id=run_id, tag=tag, blobs=blobs))
             history.append(summary)
     return out
 
 
-def _sample(ep: Episode, step: Step, label: str, summary: str, history: list[str], prompt: Any,
-            space: actions.Space, function: str, *, run_id: str, tag: str, blobs: BlobStore) -> TrainingStep:
+def policy_messages(*, instruction: str, viewport: str, step: Step, history: list[str], thought: str, summary: str,
+                    blobs: BlobStore) -> tuple[str, list[bytes]]:
+    """A step as the policy is asked it (the gui_owl_e2e prompt: the task, the history, the screen before) with
+    `thought`, `summary` and the step's action as the answer: (messages_json, the PNG of each image part).
+    Every table that teaches the policy one step (train_e2e, train_reasoning) is made by this function."""
+    prompt = load_prompt(PROMPT)
+    space = actions.space_for(viewport)
+    function = FUNCTIONS[space]
     rendered = prompt.render(
         platform=space, width=step.width, height=step.height, tools=tool_spec(space), function=function,
-        task=ep.instruction, guidance=None, history=list(history),
+        task=instruction, guidance=None, history=list(history),
         screenshots=[ImagePart(sha256=step.screenshot_before)],
     )
     messages: list[dict[str, Any]] = []
@@ -90,12 +94,19 @@ def _sample(ep: Episode, step: Step, label: str, summary: str, history: list[str
                 content.append({"type": "text", "text": part.text})
         messages.append({"role": message.role, "content": content})
     call = to_call({"type": step.action_type, **json.loads(step.action_json)}, function)
-    answer = (f"<thinking>{step.thought}</thinking>\n<conclusion>{summary}</conclusion>\n"
+    answer = (f"<thinking>{thought}</thinking>\n<conclusion>{summary}</conclusion>\n"
               f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
     messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    return json.dumps(messages), images
+
+
+def _sample(ep: Episode, step: Step, label: str, summary: str, history: list[str], *, run_id: str, tag: str,
+            blobs: BlobStore) -> TrainingStep:
+    messages_json, images = policy_messages(instruction=ep.instruction, viewport=ep.viewport, step=step,
+                                            history=history, thought=step.thought, summary=summary, blobs=blobs)
     return TrainingStep(
         run_id=run_id, sample_id=short_id(run_id, step.step_id), step_id=step.step_id,
-        episode_id=ep.episode_id, query_id=ep.query_id, label=label, messages_json=json.dumps(messages),
+        episode_id=ep.episode_id, query_id=ep.query_id, label=label, messages_json=messages_json,
         images=images, tag=tag,
     )
 

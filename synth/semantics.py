@@ -75,7 +75,8 @@ def _tool_call(step: Step, viewport: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-def _action_text(step: Step) -> str:
+def action_text(step: Step) -> str:
+    """A recorded action in words, for prompts and histories: `click {"x": 120, "y": 640} on link 'Cart'`."""
     target = f" on {step.target_role} '{step.target_name}'" if step.target_name else ""
     return f"{step.action_type} {step.action_json}{target}"
 
@@ -149,7 +150,7 @@ class _Describer:
         base = self.describe_prompt.sampling
         for seed in range(self.cfg.semantics_votes):
             sampling = Sampling(temperature=base.temperature, top_p=base.top_p, max_tokens=base.max_tokens, seed=seed)
-            text, raw, error = self._ask(self.describe_prompt, None, sampling, action=_action_text(step),
+            text, raw, error = self._ask(self.describe_prompt, None, sampling, action=action_text(step),
                                          screenshots=[ImagePart(sha256=annotated, ax_tree=step.ax_tree_before)])
             description = first_sentence(text or "")
             vote: dict[str, Any] = {"seed": seed, "description": description or None, "raw_output": raw,
@@ -157,7 +158,7 @@ class _Describer:
             if description:
                 vote["rule_score"], vote["rule_reason"] = rule_score(description, step)
                 check, check_raw, check_error = self._ask(
-                    self.check_prompt, Check, None, action=_action_text(step), description=description,
+                    self.check_prompt, Check, None, action=action_text(step), description=description,
                     screenshots=[ImagePart(sha256=step.screenshot_before, ax_tree=step.ax_tree_before),
                                  ImagePart(sha256=step.screenshot_after, ax_tree=step.ax_tree_after)])
                 vote["check_raw_output"], vote["check_error"] = check_raw, check_error

@@ -1,4 +1,4 @@
-"""The synthesis stages on one recorded run: grounding, action semantics and planning.
+"""The synthesis stages on one recorded run: grounding, action semantics, reasoning and planning.
 
 One module-scoped warehouse: the notes app's queries and their reference demonstrations
 (real browser, real app, real OCR), then each stage run through the runner with a model
@@ -25,8 +25,9 @@ from trajforge.critics.annotate import POINT_COLOR, annotate
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
+from trajforge.rollout.gui_owl import to_call
 from trajforge.schemas.config import Settings
-from trajforge.synth import grounding, planning, semantics
+from trajforge.synth import grounding, planning, reasoning, semantics
 from trajforge.tasks.runner import run_inline
 
 pytestmark = pytest.mark.browser
@@ -38,6 +39,7 @@ class ModelServer(ScriptedServer):
     def __init__(self) -> None:
         super().__init__()
         self.broken: set[str] = set()  # prompt names whose answers come back unparsable
+        self.truth: dict[tuple[str, int, int], dict[str, Any]] = {}  # (task, width, step) -> the demonstrated action
 
     def answer(self, system: str, user: str) -> str:
         if "rewrite requests" in system:
@@ -61,6 +63,21 @@ class ModelServer(ScriptedServer):
                                                                    {"page": bad, "action": "click"}]}) \
                 if "plan" in self.broken else json.dumps({"task": "Do two things", "steps": [
                     {"page": first, "action": "look"}, {"page": pages[-1], "action": "look"}]})
+        if "Think about the next step" in system:  # the cot style reasons its way to giving up
+            return 'The screen is not what the task needs, so I do {"type": "terminate", "status": "failure"}.'
+        if "In one sentence, say what to do next" in system:  # the simple style finds the demonstrated action
+            task = re.search(r"^Task: (.*)$", user, re.M).group(1)
+            done = len(re.findall(r"^Step \d+:", user, re.M))
+            width = int(re.search(r"screen of (\d+)x", system).group(1))
+            action = self.truth[(task, width, done)] if "simple" not in self.broken else {"type": "system_button",
+                                                                                   "button": "Home"}
+            return f"To go on I do {json.dumps(action)} next."
+        if "Read the reasoning" in system:  # sees the reasoning only: the action it names, as a call
+            action = json.loads(re.search(r"(\{.*\})", user).group(1))
+            function = re.search(r'"name": "(\w+)"', system).group(1)
+            return json.dumps(to_call(action, function))
+        if "You are told the right next action" in system:
+            return "The task needs this element, and it is on the screen."
         raise AssertionError(f"unexpected prompt: {system[:80]}")
 
     async def _completions(self, request: Request) -> Response:
@@ -308,3 +325,59 @@ def test_a_manual_the_model_cannot_write_keeps_the_template_and_says_so(recorded
     assert all(m.text.startswith("1. On '") for m in manuals)  # the first trajectory's transitions
     assert out.stats["manual kept as the template: planning_manual: the model's answer did not parse"] == len(manuals)
     assert {r.source_id for r in out.rows["train_planning"]} >= {m.manual_id for m in manuals}
+
+
+def _demonstrated(ws: Workspace, snapshot: int) -> dict[tuple[str, int, int], dict[str, Any]]:
+    steps = ws.catalog.rows_added("steps", snapshot)[0]
+    episodes = {e["episode_id"]: e["instruction"] for e in ws.catalog.load("episodes").to_dicts()}
+    return {(episodes[s["episode_id"]], s["width"], s["step_index"]): {"type": s["action_type"], **json.loads(s["action_json"])}
+            for s in steps.to_dicts()}
+
+
+def test_a_reasoning_is_kept_only_when_the_action_predicted_from_it_matches_the_demonstration(recorded, model):
+    root, run, snapshots = recorded
+    ws = workspace(root, model.url, reasoning_steps_per_shard=3, reasoning_tries=2)
+    model.truth = _demonstrated(ws, snapshots["steps"])
+    out = run_inline(reasoning.STAGE, ws, run, snapshots["steps"])
+    samples = ws.catalog.load("reasoning_samples", out["reasoning_samples"]).to_dicts()
+    assert len({s["step_id"] for s in samples}) == 3 and {s["trusted"] for s in samples} == {"reference"}
+    cot = [s for s in samples if s["hint_style"] == "cot"]
+    simple = [s for s in samples if s["hint_style"] == "simple"]
+    # cot's reasoning decides to terminate: each of its 2 tries is predicted, does not match, and is rejected.
+    assert len(cot) == 6 and not any(s["kept"] or s["matched"] for s in cot)
+    assert all(json.loads(s["predicted_action_json"])["type"] == "terminate" for s in cot)
+    assert all(s["match_reason"].startswith("type 'terminate' is not") for s in cot)
+    # simple's reasoning names the demonstrated action: matched on the first try and kept.
+    assert len(simple) == 3 and all(s["kept"] and s["matched"] and s["attempt"] == 0 for s in simple)
+    assert not any(s["hinted_with_answer"] for s in samples)
+    training = ws.catalog.load("train_reasoning", out["train_reasoning"]).to_dicts()
+    assert sorted(t["source_id"] for t in training) == sorted(s["reasoning_id"] for s in simple)
+    for row in training:
+        kept = next(s for s in simple if s["reasoning_id"] == row["source_id"])
+        answer = json.loads(row["messages_json"])[-1]["content"][0]["text"]
+        assert answer.startswith(f"<thinking>{kept['reasoning']}</thinking>") and len(row["images"]) == 1
+        call = json.loads(answer.split("<tool_call>\n")[1].split("\n</tool_call>")[0])
+        assert call["arguments"]["action"] == json.loads(kept["predicted_action_json"])["type"]
+    lineage = ws.catalog.lineage("train_reasoning", out["train_reasoning"])
+    assert lineage.dropped["cot reasoning rejected: type differs"] == 6
+    assert lineage.stats["steps with an accepted reasoning: simple"] == 3 and lineage.stats["steps tried"] == 3
+    assert lineage.prompts["reasoning_act"] == "1"
+
+
+def test_a_step_no_sampled_reasoning_matches_is_written_with_the_answer_and_flagged(recorded, model):
+    root, run, snapshots = recorded
+    ws = workspace(root, model.url, cache=False, reasoning_steps_per_shard=1, hint_styles=["simple"])
+    model.truth = _demonstrated(ws, snapshots["steps"])
+    units = reasoning.load_trusted(ws, snapshots["steps"]).units
+    model.broken = {"simple"}
+    try:
+        out = reasoning.reason(units, ws, ws.ledger.open_run("test", "hinted").run_id, "")
+    finally:
+        model.broken = set()
+    rejected, hinted = out.rows["reasoning_samples"]
+    assert rejected.hint_style == "simple" and not rejected.kept and rejected.matched is False
+    assert hinted.hint_style == "hinted" and hinted.hinted_with_answer and hinted.kept and hinted.matched is None
+    [row] = out.rows["train_reasoning"]
+    assert row.hinted_with_answer and row.source_id == hinted.reasoning_id
+    assert out.stats["steps with an accepted reasoning: hinted"] == 1
+

@@ -1,0 +1,103 @@
+"""One rule for "the model's action is the trusted one", shared by every stage that compares actions.
+
+The companion papers and GUI-Owl 2.2.3 compare a predicted action with a trusted one
+(a reference demonstration's, an accepted trajectory's) the same way: the same type; a
+point inside the target element's box (or within a tolerance of the trusted point when
+the step recorded no box); text with a token F1 above a threshold; the same scroll or
+swipe direction. Actions are flat dicts of `envs.actions` ({"type": "click", "x": .., "y": ..}).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from trajforge.envs import actions
+
+TEXT_F1 = 0.5
+"""Text arguments match when their token F1 is above this (paper: PAL-UI 4.1, Agentic-Q)."""
+TOLERANCE_PX = 14.0
+"""A point matches within this many pixels of the target box (or of the trusted point, without a box): a
+fingertip's width on a 390-pixel-wide phone screen."""
+
+
+@dataclass(frozen=True)
+class Match:
+    """Whether two actions match, and the first thing that differs (or what matched)."""
+
+    ok: bool
+    reason: str
+
+
+def text_f1(a: str, b: str) -> float:
+    """Token F1 of two texts, case-folded (1.0 for two empty texts)."""
+    left, right = Counter(a.casefold().split()), Counter(b.casefold().split())
+    if not left and not right:
+        return 1.0
+    common = sum((left & right).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / sum(left.values()), common / sum(right.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+def _direction(action: dict[str, Any]) -> str | None:
+    """up/down/left/right of a scroll (wheel dy, dx) or a swipe/drag (start to end), None without one."""
+    if action["type"] == "scroll":
+        dx, dy = float(action.get("dx", 0)), float(action.get("dy", 0))
+    elif "x2" in action and "y2" in action:
+        dx, dy = float(action["x2"]) - float(action["x"]), float(action["y2"]) - float(action["y"])
+    else:
+        return None
+    if dx == dy == 0:
+        return None
+    if abs(dy) >= abs(dx):
+        return "down" if dy > 0 else "up"
+    return "right" if dx > 0 else "left"
+
+
+def _near(point: tuple[float, float], box: list[float] | None, trusted: tuple[float, float] | None,
+          tolerance: float) -> tuple[bool, str]:
+    x, y = point
+    if box is not None:
+        bx, by, bw, bh = box
+        inside = bx - tolerance <= x <= bx + bw + tolerance and by - tolerance <= y <= by + bh + tolerance
+        return inside, f"point ({x:.0f}, {y:.0f}) {'inside' if inside else 'outside'} the target box {box}"
+    if trusted is None:
+        return False, "the trusted action has no point"
+    distance = ((x - trusted[0]) ** 2 + (y - trusted[1]) ** 2) ** 0.5
+    return distance <= tolerance, f"point {distance:.0f} px from the trusted point"
+
+
+def match(predicted: dict[str, Any], trusted: dict[str, Any], *, target_box: list[float] | None = None,
+          tolerance: float = TOLERANCE_PX, min_f1: float = TEXT_F1) -> Match:
+    """Does `predicted` do what `trusted` does? Types (aliases resolved) must agree, then each argument the
+    type has: its point near the target, its text (F1 > `min_f1`), its direction, its key, button or status."""
+    kind, want = actions.normalize(predicted).get("type"), actions.normalize(trusted).get("type")
+    if kind != want:
+        return Match(False, f"type {kind!r} is not {want!r}")
+    reasons = [f"type {kind}"]
+    point = actions.point(predicted)
+    direction = _direction(trusted)
+    if direction is not None:
+        got = _direction(predicted)
+        if got != direction:
+            return Match(False, f"direction {got} is not {direction}")
+        reasons.append(f"direction {direction}")
+    elif actions.point(trusted) is not None:
+        if point is None:
+            return Match(False, "no point")
+        ok, why = _near(point, target_box, actions.point(trusted), tolerance)
+        if not ok:
+            return Match(False, why)
+        reasons.append(why)
+    if "text" in trusted:
+        f1 = text_f1(str(predicted.get("text", "")), str(trusted["text"]))
+        if f1 <= min_f1:
+            return Match(False, f"text F1 {f1:.2f} <= {min_f1}")
+        reasons.append(f"text F1 {f1:.2f}")
+    for arg in ("key", "keys", "button", "status"):
+        if arg in trusted and predicted.get(arg) != trusted[arg]:
+            return Match(False, f"{arg} {predicted.get(arg)!r} is not {trusted[arg]!r}")
+    return Match(True, "; ".join(reasons))

@@ -1,0 +1,267 @@
+"""Reasoning synthesis (GUI-Owl 2.2.3): offline hint-guided rejection sampling and multi-agent distillation.
+
+For a step whose action is trusted (a reference replay its checker passed, or a step of a
+trajectory the critics accepted), the model is asked for the reasoning from the task, the
+history and the screen, under each hint style (`synth.hint_styles`, one versioned prompt
+each: `reasoning_cot`, a fixed chain of thought; `reasoning_simple`, the shortest
+reasoning that decides). A second call sees only that reasoning and the screen
+(`reasoning_act`, held to the action space's call schema while decoding) and gives an
+action; the reasoning is kept when that action matches the trusted one (`synth.match`).
+Up to `synth.reasoning_tries` samples per style, a seed each. A step no sample matched
+gets one last call that is shown the trusted action (`reasoning_hinted`); its reasoning
+is kept flagged `hinted_with_answer`. A step the Mobile-Agent-v3 roles decided
+(`roles_json`) is distilled instead: the model merges the roles' outputs into one
+reasoning (`reasoning_distill`), paired with the worker's action.
+
+Every sample is a `reasoning_samples` row, rejected ones too (kept false, with the match
+result), so each style's acceptance rate can be counted; each kept one is a
+`train_reasoning` row, the step in `train_e2e`'s messages with the reasoning as its thinking.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import polars as pl
+
+from trajforge.envs import actions
+from trajforge.llm import GatewayError, ImagePart, Sampling, load_prompt
+from trajforge.llm.workspace import Workspace
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
+from trajforge.schemas.ids import short_id
+from trajforge.schemas.records import ReasoningChat, ReasoningSample, Step
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+from trajforge.synth.export import policy_messages
+from trajforge.synth.match import match
+from trajforge.synth.semantics import action_text
+
+PROMPTS = Path(__file__).parent / "prompts"
+ACT, HINTED, DISTILL = "reasoning_act", "reasoning_hinted", "reasoning_distill"
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrustedEpisode:
+    """An episode whose actions are trusted, with its steps in order."""
+
+    episode_id: str
+    query_id: str
+    instruction: str
+    viewport: str
+    trusted: Literal["reference", "accepted"]
+    steps: list[Step]
+
+
+@dataclass(frozen=True)
+class _Answer:
+    text: str
+    parsed: Any
+    error: str | None
+    model_id: str
+
+
+class _Reasoner:
+    """The model calls of one shard; a failed call is an answer with its error, never an exception."""
+
+    def __init__(self, ws: Workspace, out: StageOutput, run_id: str) -> None:
+        self.ws, self.out, self.run_id, self.cfg = ws, out, run_id, ws.settings.synth
+        self.prompts = {name: load_prompt(name, PROMPTS)
+                        for name in (*(f"reasoning_{s}" for s in self.cfg.hint_styles), ACT, HINTED, DISTILL)}
+
+    def version(self, name: str) -> str:
+        self.out.prompts[name] = self.prompts[name].version
+        return f"{name}@{self.prompts[name].version}"
+
+    def ask(self, name: str, *, seed: int | None = None, json_schema: dict[str, Any] | None = None,
+            **variables: Any) -> _Answer:
+        prompt = self.prompts[name]
+        rendered = prompt.render(**variables)
+        base = rendered.sampling
+        sampling = None if seed is None else Sampling(temperature=base.temperature, top_p=base.top_p,
+                                                      max_tokens=base.max_tokens, seed=seed)
+        try:
+            result = self.ws.gateway.chat_sync(rendered, model=self.cfg.model, sampling=sampling,
+                                               schema=ToolCall if json_schema else None, json_schema=json_schema)
+        except GatewayError as exc:
+            return _Answer("", None, f"no answer: {exc.record.error}", exc.record.model_id)
+        self.out.models["reasoning"] = result.record.model_id
+        return _Answer(result.text, result.parsed, result.parse_error, result.record.model_id)
+
+
+def _trusted_action(step: Step) -> dict[str, Any]:
+    return {"type": step.action_type, **json.loads(step.action_json)}
+
+
+def _screen(step: Step) -> list[ImagePart]:
+    return [ImagePart(sha256=step.screenshot_before, ax_tree=step.ax_tree_before)]
+
+
+def _roles(step: Step) -> list[tuple[str, str]]:
+    """(role, what it said) for each Mobile-Agent-v3 role that answered at this step, in the team's order."""
+    recorded = json.loads(step.roles_json or "{}")
+    said = []
+    for role in ("reflector", "notetaker", "manager", "worker"):
+        output = (recorded.get(role) or {}).get("output")
+        if output:
+            said.append((role, json.dumps(output, ensure_ascii=False)))
+    return said
+
+
+def _choose(units: list[TrustedEpisode], budget: int) -> list[tuple[TrustedEpisode, int]]:
+    """The steps worth the model calls: valid actions on a named target first, the first steps of every
+    episode before the second of any (so a shard spreads over its episodes)."""
+    candidates = [(u, i) for u in units for i, s in enumerate(u.steps) if s.action_valid]
+    candidates.sort(key=lambda c: (not c[0].steps[c[1]].target_name, c[0].steps[c[1]].action_type == "terminate",
+                                   c[1], c[0].episode_id))
+    return candidates[:budget]
+
+
+def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> StageOutput:
+    """Reasoning samples for `synth.reasoning_steps_per_shard` trusted steps of the shard."""
+    out = StageOutput(rows={"reasoning_samples": [], "train_reasoning": []})
+    cfg = ws.settings.synth
+    if cfg.writer != "model":
+        out.stats["synth.writer is template: no reasoning asked"] += len(units)
+        return out
+    reasoner = _Reasoner(ws, out, run_id)
+    tag = ws.run_tag(run_id)
+    for unit, index in _choose(units, cfg.reasoning_steps_per_shard):
+        step = unit.steps[index]
+        history = [action_text(s) for s in unit.steps[:index]]
+        samples = (_distill(reasoner, unit, step) if step.roles_json
+                   else _sample(reasoner, unit, step, history))
+        out.stats["steps tried"] += 1
+        for sample in samples:
+            out.rows["reasoning_samples"].append(sample)
+            if not sample.kept:
+                out.dropped[f"{sample.hint_style} reasoning rejected: {sample.match_reason.split(' ')[0]} differs"] += 1
+                continue
+            out.stats[f"steps with an accepted reasoning: {sample.hint_style}"] += 1
+            messages_json, images = policy_messages(instruction=unit.instruction, viewport=unit.viewport, step=step,
+                                                    history=history, thought=sample.reasoning,
+                                                    summary=action_text(step), blobs=ws.blobs)
+            out.rows["train_reasoning"].append(ReasoningChat(
+                run_id=run_id, sample_id=short_id(run_id, sample.reasoning_id), source_id=sample.reasoning_id,
+                messages_json=messages_json, images=images, tag=tag, hint_style=sample.hint_style,
+                hinted_with_answer=sample.hinted_with_answer))
+    if tried := out.stats["steps tried"]:
+        logger.info("reasoning: %d trusted steps; accepted per hint style: %s", tried, ", ".join(
+            f"{style} {out.stats[f'steps with an accepted reasoning: {style}'] / tried:.0%}"
+            for style in (*cfg.hint_styles, "hinted", "distilled")))
+    return out
+
+
+def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, attempt: int, answer: _Answer,
+         prompt: str, **result: Any) -> ReasoningSample:
+    return ReasoningSample(
+        run_id=reasoner.run_id, reasoning_id=short_id(step.step_id, style, str(attempt)), step_id=step.step_id,
+        episode_id=unit.episode_id, query_id=unit.query_id, trusted=unit.trusted, hint_style=style, attempt=attempt,
+        reasoning=answer.text.strip(), raw_output=answer.text, trusted_action_json=step.action_json,
+        model_id=answer.model_id, prompt_version=prompt, **result)
+
+
+def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list[str]) -> list[ReasoningSample]:
+    """Each hint style's tries until one matches; the hinted call when none did."""
+    cfg = reasoner.cfg
+    space = actions.space_for(unit.viewport)
+    screen = dict(platform=space, width=step.width, height=step.height, screenshots=_screen(step))
+    trusted = _trusted_action(step)
+    rows: list[ReasoningSample] = []
+    for style in cfg.hint_styles:
+        name = f"reasoning_{style}"
+        for attempt in range(cfg.reasoning_tries):
+            said = reasoner.ask(name, seed=attempt, task=unit.instruction, history=history, **screen)
+            versions = f"{reasoner.version(name)},{reasoner.version(ACT)}"
+            if said.error or not said.text.strip():
+                rows.append(_row(reasoner, unit, step, style, attempt, said, versions, matched=None, kept=False,
+                                 hinted_with_answer=False, match_reason=f"no reasoning: {said.error or 'empty'}"))
+                continue
+            act = reasoner.ask(ACT, reasoning=said.text.strip(), tools=tool_spec(space), function=FUNCTIONS[space],
+                               json_schema=call_schema(space, step.width, step.height), **screen)
+            predicted, why = None, act.error
+            if act.parsed is not None:
+                try:
+                    predicted = to_action(act.parsed, FUNCTIONS[space])
+                except ValueError as exc:
+                    why = str(exc)
+            verdict = match(predicted, trusted, target_box=step.target_box, tolerance=cfg.match_tolerance_px) \
+                if predicted is not None else None
+            rows.append(_row(
+                reasoner, unit, step, style, attempt, said, versions, predict_raw_output=act.text,
+                predicted_action_json=json.dumps(predicted) if predicted is not None else None,
+                matched=verdict.ok if verdict else False, kept=bool(verdict and verdict.ok), hinted_with_answer=False,
+                match_reason=verdict.reason if verdict else f"prediction unusable: {why}"))
+            if verdict and verdict.ok:
+                break
+    if not any(r.kept for r in rows):
+        said = reasoner.ask(HINTED, task=unit.instruction, history=history, action=action_text(step), **screen)
+        rows.append(_row(reasoner, unit, step, "hinted", 0, said, reasoner.version(HINTED), matched=None,
+                         kept=bool(said.text.strip()) and said.error is None, hinted_with_answer=True,
+                         match_reason="given the trusted action" if said.text.strip() else
+                         f"no reasoning: {said.error or 'empty'}"))
+    return rows
+
+
+def _distill(reasoner: _Reasoner, unit: TrustedEpisode, step: Step) -> list[ReasoningSample]:
+    """The roles' outputs merged into one reasoning, paired with the worker's (executed) action."""
+    said = reasoner.ask(DISTILL, task=unit.instruction, roles=_roles(step), action=action_text(step),
+                        platform=actions.space_for(unit.viewport), width=step.width, height=step.height,
+                        screenshots=_screen(step))
+    return [_row(reasoner, unit, step, "distilled", 0, said, reasoner.version(DISTILL), matched=None,
+                 kept=bool(said.text.strip()) and said.error is None, hinted_with_answer=False,
+                 match_reason="the roles' decision" if said.text.strip() else f"no reasoning: {said.error or 'empty'}")]
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
+    """The episodes of the steps a run wrote whose actions are trusted: reference replays their checker
+    passed, and episodes the critics' latest verdict accepted; the others are counted by reason."""
+    steps, snapshot = ws.catalog.rows_added("steps", snapshot)
+    ids = steps["episode_id"].unique().to_list()
+    episodes = (ws.catalog.scan("episodes").filter(pl.col("episode_id").is_in(ids))
+                .unique("episode_id", keep="last").collect())
+    snapshots = {"steps": snapshot}
+    accepted: dict[str, bool] = {}
+    if "verdicts" in ws.catalog.tables():
+        _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
+        if verdicts_snapshot is not None:
+            snapshots["verdicts"] = verdicts_snapshot
+            verdicts = ws.catalog.load("verdicts", verdicts_snapshot).filter(pl.col("episode_id").is_in(ids))
+            accepted = dict(verdicts.group_by("episode_id", maintain_order=True).agg(pl.col("success").last())
+                            .iter_rows())
+    by_episode: dict[str, list[Step]] = {}
+    for s in steps.sort("episode_id", "step_index").to_dicts():
+        by_episode.setdefault(s["episode_id"], []).append(Step.model_validate(s))
+    inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
+    for e in episodes.to_dicts():
+        if e.get("source") == "reference":
+            trusted = "reference" if e.get("success") else None
+            why = "reference replay its checker did not pass"
+        else:
+            trusted = "accepted" if accepted.get(e["episode_id"]) else None
+            why = "policy episode not accepted by the critics" if e["episode_id"] in accepted else \
+                "policy episode not judged"
+        if trusted is None:
+            inputs.stats[f"not trusted: {why}"] += 1
+            continue
+        inputs.units.append(TrustedEpisode(e["episode_id"], e["query_id"], e["instruction"], e["viewport"], trusted,
+                                           by_episode.get(e["episode_id"], [])))
+    return inputs
+
+
+STAGE = StageDef[Workspace, TrustedEpisode](
+    name="reasoning",
+    key=lambda u: u.episode_id,
+    reads="steps",
+    writes={"reasoning_samples": "append", "train_reasoning": "append"},
+    sections=("synth", "llm"),
+    load=load_trusted,
+    run=reason,
+    shard_size=lambda s: 50,
+)

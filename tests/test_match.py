@@ -1,0 +1,46 @@
+"""The one action-matching rule: what counts as the trusted action, and what does not."""
+
+from __future__ import annotations
+
+from trajforge.synth.match import match, text_f1
+
+BOX = [100.0, 200.0, 80.0, 40.0]  # x, y, w, h
+
+
+def test_a_point_matches_inside_the_target_box_or_within_the_tolerance_and_not_beyond():
+    trusted = {"type": "click", "x": 140, "y": 220}
+    assert match({"type": "click", "x": 175, "y": 235}, trusted, target_box=BOX).ok
+    assert match({"type": "click", "x": 190, "y": 220}, trusted, target_box=BOX, tolerance=14).ok
+    far = match({"type": "click", "x": 200, "y": 220}, trusted, target_box=BOX, tolerance=14)
+    assert not far.ok and "outside the target box" in far.reason
+    # Without a box, the distance to the trusted point decides.
+    assert match({"type": "click", "x": 150, "y": 220}, trusted).ok
+    assert not match({"type": "click", "x": 170, "y": 220}, trusted).ok
+
+
+def test_the_type_must_agree_aliases_resolved():
+    assert not match({"type": "long_press", "x": 140, "y": 220}, {"type": "click", "x": 140, "y": 220}).ok
+    assert match({"type": "press", "key": "Enter"}, {"type": "key", "key": "Enter"}).ok
+    assert not match({"type": "key", "key": "Tab"}, {"type": "key", "key": "Enter"}).ok
+
+
+def test_text_needs_a_token_f1_above_one_half():
+    trusted = {"type": "type", "text": "buy milk and eggs"}
+    assert match({"type": "type", "text": "Buy milk and eggs"}, trusted).ok
+    assert match({"type": "type", "text": "buy milk and bread"}, trusted).ok  # F1 0.75
+    assert not match({"type": "type", "text": "buy bread"}, trusted).ok  # F1 0.33
+    assert text_f1("", "") == 1.0 and text_f1("a", "") == 0.0
+
+
+def test_a_scroll_or_swipe_matches_by_direction_not_by_distance():
+    assert match({"type": "scroll", "x": 10, "y": 10, "dy": 900}, {"type": "scroll", "x": 300, "y": 400, "dy": 300}).ok
+    down = {"type": "scroll", "x": 10, "y": 10, "dy": 300}
+    assert not match({"type": "scroll", "x": 10, "y": 10, "dy": -300}, down).ok
+    up = {"type": "swipe", "x": 200, "y": 700, "x2": 200, "y2": 200}
+    assert match({"type": "swipe", "x": 100, "y": 600, "x2": 110, "y2": 100}, up).ok
+    assert match({"type": "swipe", "x": 100, "y": 600, "x2": 600, "y2": 580}, up).reason == "direction right is not up"
+
+
+def test_terminate_matches_on_its_status():
+    assert match({"type": "terminate", "status": "success"}, {"type": "terminate", "status": "success"}).ok
+    assert not match({"type": "terminate", "status": "failure"}, {"type": "terminate", "status": "success"}).ok
