@@ -404,6 +404,16 @@ class SynthSettings(_Section):
         "thought (prompt reasoning_cot); simple, the shortest reasoning that decides the step (reasoning_simple).")
     reasoning_tries: int = Field(
         default=1, gt=0, description="k: reasonings sampled per step and style (a seed each) before the style gives up.")
+    tau_c: float = Field(
+        default=0.5, ge=0, le=1, description="Filter 1: a training step's step-critic score (the share of its votes "
+        "saying GOOD, NEUTRAL counting half) must be at least this; 0.5 keeps GOOD and NEUTRAL, 0.75 GOOD only.")
+    consistency: Literal["rules", "off"] = Field(
+        default="rules", description="Filter 2, thought-action consistency: rules drop a step whose thought names "
+        "another element of the screen or another kind of action than the one taken; off keeps them.")
+    reweight_smoothing: float = Field(
+        default=0.1, gt=0, description="Filter 3: s in weight = (1 - p_succ + s) / (1 - mean p_succ + s).")
+    reweight_min: float = Field(default=0.25, gt=0, description="Filter 3: the smallest weight (the easiest tasks).")
+    reweight_max: float = Field(default=4.0, gt=0, description="Filter 3: the largest weight (the hardest tasks).")
     match_tolerance_px: float = Field(
         default=14.0, ge=0, description="A predicted point matches within this many pixels of the target's box.")
 

@@ -335,6 +335,11 @@ class TrainingStep(Record):
     )
     images: list[bytes] = Field(description="PNG bytes of each {type: image} part, in message order.")
     tag: str = Field(description="The run's tag (nightly-YYYY-MM-DD) the table version also carries.")
+    # Added with the rejection-sampling filters: optional, so tables written before them stay valid.
+    score: float | None = Field(default=None, description="The step critic's score (filter 1, at least synth.tau_c).")
+    p_succ: float | None = Field(default=None, description="The query's success rate over every attempt so far.")
+    weight: float = Field(default=1.0, gt=0, description="Filter 3: sample the row with probability proportional to "
+                          "this (easy tasks below 1, hard ones above).")
 
     _json = field_validator("messages_json")(_check_json)
 
@@ -505,6 +510,32 @@ class PlanningChat(ChatSample):
     table: ClassVar[str] = "train_planning"
 
 
+class RoleChat(ChatSample):
+    """One Mobile-Agent-v3 role's answer at a step of an accepted trajectory, asked as the role was asked."""
+
+    step_id: str
+    episode_id: str
+    weight: float = Field(default=1.0, gt=0, description="The query's p_succ weight (filter 3).")
+
+
+class ManagerChat(RoleChat):
+    table: ClassVar[str] = "train_manager"
+
+
+class WorkerChat(RoleChat):
+    table: ClassVar[str] = "train_worker"
+
+
+class ReflectorChat(RoleChat):
+    table: ClassVar[str] = "train_reflector"
+
+    outcome: Literal["SUCCESS", "FAILURE"]
+
+
+class NotetakerChat(RoleChat):
+    table: ClassVar[str] = "train_notetaker"
+
+
 class ReasoningChat(ChatSample):
     """A trusted step as a policy sample (the messages of `train_e2e`) whose thinking is a kept reasoning."""
 
@@ -518,5 +549,6 @@ RECORDS: dict[str, type[Record]] = {
     m.table: m
     for m in (Query, Page, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep,
               GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat,
-              ReasoningSample, ReasoningChat)
+              ReasoningSample, ReasoningChat, ManagerChat, WorkerChat, ReflectorChat,
+              NotetakerChat)
 }

@@ -1,0 +1,149 @@
+"""The online rejection-sampling filters of GUI-Owl 2.2.3, applied when training rows are made.
+
+Each is a plain function over recorded rows, so the export stage and the tests drive
+the same code, and each decision comes with its reason (the stage counts it in the lineage):
+
+1. **Critic score** (`synth.tau_c`): a step is kept when its step critic's score is at
+   least tau_c. The score is the share of the critic's votes that say GOOD, NEUTRAL
+   counting half (`LABEL_SCORE`); the critic casts one vote today, so tau_c 0.5 keeps
+   GOOD and NEUTRAL steps, 0.75 GOOD only. What a verdict is worth is measured each night
+   against the programmatic checkers (the report's calibration table).
+2. **Thought-action consistency** (`synth.consistency`): rules, where the thought can be
+   read against the action: it names interactive elements of the screen but not the one
+   the action hit, or it names a kind of action (type, scroll, ...) but not the one taken.
+3. **Task re-weighting by p_succ** (`synth.reweight_*`): each row's `weight` is
+   (1 - p + s) / (1 - p_mean + s), clipped to [reweight_min, reweight_max], where p is its
+   query's success rate over every attempt so far, p_mean the mean over the queries
+   exported, and s `reweight_smoothing`: easy tasks are sampled less, hard ones more, and
+   the weights average about 1. A trainer samples rows with probability proportional to
+   `weight` (or repeats a row round(weight) times).
+4. **Reflector balancing**: a Reflector "FAILURE" is kept only when the step it was
+   recorded on (the team's next move) is then judged positive; a "SUCCESS" only from a
+   trajectory whose every step is positive; then the larger side is cut to the smaller, 1:1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from trajforge.envs.axtree import AXNode, parse
+
+LABEL_SCORE = {"GOOD": 1.0, "NEUTRAL": 0.5, "HARMFUL": 0.0}
+POSITIVE = ("GOOD", "NEUTRAL")
+
+INTERACTIVE = {"link", "button", "textbox", "checkbox", "radio", "tab", "menuitem", "combobox", "option",
+               "switch", "searchbox", "slider", "spinbutton", "listitem"}
+"""Roles a thought names when it says what to act on (AX roles; Android's are mapped to the same words)."""
+
+VERBS: dict[str, tuple[str, ...]] = {
+    "click": ("click", "tap", "press", "select", "open", "choose"),
+    "type": ("type", "enter", "write", "input", "fill"),
+    "scroll": ("scroll", "swipe"),
+    "terminate": ("done", "finish", "finished", "complete", "completed", "stop"),
+}
+"""Kinds of action a thought can name, and the action types each covers (below)."""
+KIND_OF = {"click": "click", "double_click": "click", "long_press": "click", "right_click": "click",
+           "middle_click": "click", "type": "type", "scroll": "scroll", "swipe": "scroll", "drag": "scroll",
+           "terminate": "terminate"}
+
+
+def critic_score(label: str | None) -> float | None:
+    """The step critic's score of a step (None: not judged)."""
+    return LABEL_SCORE.get(label) if label else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+    rule: str = ""
+    """Which rule failed: "element" or "kind of action" ("" when it passed)."""
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.casefold()))
+
+
+def _names(thought: str, nodes: list[AXNode]) -> set[str]:
+    """Names of interactive elements of the screen that the thought mentions (whole words, 3+ letters)."""
+    text = f" {' '.join(re.findall(r'[a-z0-9]+', thought.casefold()))} "
+    found = set()
+    for node in nodes:
+        name = " ".join(re.findall(r"[a-z0-9]+", node.name.casefold()))
+        if node.role in INTERACTIVE and len(name) >= 3 and f" {name} " in text:
+            found.add(name)
+    return found
+
+
+def consistent(thought: str, action_type: str, target_name: str | None, ax_tree: str | None) -> Verdict:
+    """Filter 2, by rules: does the thought decide the action that was taken?"""
+    if not thought.strip():
+        return Verdict(True, "no thought to check")
+    words = _words(thought)
+    kind = KIND_OF.get(action_type)
+    named_kinds = {k for k, verbs in VERBS.items() if words & set(verbs)}
+    if kind is not None and named_kinds and kind not in named_kinds:
+        return Verdict(False, f"the thought says {'/'.join(sorted(named_kinds))}, the action is {action_type}",
+                       "kind of action")
+    try:
+        nodes = parse(ax_tree or "")
+    except ValueError:
+        nodes = []
+    target = " ".join(re.findall(r"[a-z0-9]+", (target_name or "").casefold()))
+    named = _names(thought, nodes)
+    if target and named and not any(n in target or target in n for n in named):
+        return Verdict(False, f"the thought names {sorted(named)[0]!r}, the action hit {target_name!r}", "element")
+    return Verdict(True, "the thought names the target" if target and named else "nothing in the thought contradicts")
+
+
+def weights(p_succ: dict[str, float], *, smoothing: float, low: float, high: float) -> dict[str, float]:
+    """Filter 3: each query's row weight from its success rate (see the module docstring)."""
+    if not p_succ:
+        return {}
+    mean = sum(p_succ.values()) / len(p_succ)
+    return {q: min(high, max(low, (1 - p + smoothing) / (1 - mean + smoothing))) for q, p in p_succ.items()}
+
+
+@dataclass(frozen=True)
+class Reflection:
+    """A Reflector answer as a training candidate: its verdict, and the critics' labels around it."""
+
+    sample_id: str
+    outcome: str  # SUCCESS or FAILURE
+    next_label: str | None
+    """The step critic's label of the step the reflection was recorded on (the move after the judged action)."""
+    trajectory_positive: bool
+    """Every step of the trajectory labelled GOOD or NEUTRAL."""
+
+
+R = TypeVar("R", bound=Reflection)
+
+
+def balance_reflections(candidates: Sequence[R]) -> tuple[list[R], Counter[str]]:
+    """Filter 4: the kept reflections, and what was dropped by reason; positives and negatives 1:1 (the
+    larger side cut by a hash of the sample id, so a rerun keeps the same rows)."""
+    dropped: Counter[str] = Counter()
+    negatives, positives = [], []
+    for c in candidates:
+        if c.outcome == "FAILURE":
+            if c.next_label in POSITIVE:
+                negatives.append(c)
+            else:
+                dropped["reflector FAILURE not followed by a positive step"] += 1
+        elif c.trajectory_positive:
+            positives.append(c)
+        else:
+            dropped["reflector SUCCESS from a trajectory with a step not positive"] += 1
+    size = min(len(negatives), len(positives))
+    kept = []
+    for side, name in ((negatives, "FAILURE"), (positives, "SUCCESS")):
+        ordered = sorted(side, key=lambda c: hashlib.sha256(c.sample_id.encode()).hexdigest())
+        kept += ordered[:size]
+        if len(side) > size:
+            dropped[f"reflector {name} beyond the 1:1 balance"] = len(side) - size
+    return kept, dropped
