@@ -82,6 +82,21 @@ class JudgedEpisode:
     episode: Episode
     steps: list[Step]
     success: bool
+    iteration: int = 0
+    """The model iteration of the episode's policy model (`iterations`)."""
+
+
+def iterations(history: list[tuple[str, int]], new: list[str]) -> dict[str, int]:
+    """Model id -> its iteration of the self-evolving loop: the iteration its attempts were first recorded under,
+    and for a model never recorded the next number (in sorted order, so every shard numbers them alike). A night
+    with a new model starts a new iteration; no number is set by hand. `history`: (model id, iteration) rows."""
+    known: dict[str, int] = {}
+    for model_id, iteration in history:
+        known[model_id] = min(iteration, known.get(model_id, iteration))
+    following = max(known.values(), default=-1) + 1
+    for model_id in sorted(set(new) - set(known)):
+        known[model_id], following = following, following + 1
+    return known
 
 
 @dataclass(frozen=True)
@@ -119,13 +134,16 @@ def load_history_units(ws: Workspace, snapshot: int | None) -> Inputs[HistoryUni
         prior.setdefault(query_id, [0, 0])
         prior[query_id][0] += 1
         prior[query_id][1] += ok
+    numbered = iterations(list(history.select("model_id", "iteration").iter_rows()) if history.height else [],
+                          [u.episode.model_id for u, _ in judged])
     units = []
     for q in ws.catalog.load("queries", snapshots["queries"]).to_dicts():
         mine = [(u, ok) for u, ok in judged if u.episode.query_id == q["query_id"]]
         attempts, successes = prior.get(q["query_id"], [0, 0])
         units.append(HistoryUnit(
             query=Query.model_validate(q), prior_attempts=attempts, prior_successes=successes,
-            judged=[JudgedEpisode(u.episode, u.steps, ok) for u, ok in mine if u.episode.episode_id not in recorded],
+            judged=[JudgedEpisode(u.episode, u.steps, ok, numbered[u.episode.model_id]) for u, ok in mine
+                    if u.episode.episode_id not in recorded],
             already_recorded=sum(u.episode.episode_id in recorded for u, _ in mine),
         ))
     if history_snapshot is not None:
@@ -133,14 +151,15 @@ def load_history_units(ws: Workspace, snapshot: int | None) -> Inputs[HistoryUni
     return Inputs(units=units, snapshots=snapshots)
 
 
-def record(units: list[HistoryUnit], *, run_id: str, iteration: int, judged_at: datetime) -> StageOutput:
+def record(units: list[HistoryUnit], *, run_id: str, judged_at: datetime) -> StageOutput:
     """History rows, replay-buffer entries and the query set with accumulated attempts and successes."""
     out = StageOutput(rows={"query_history": [], "replay_buffer": [], "queries": []})
     for unit in units:
         attempts, successes = unit.prior_attempts, unit.prior_successes
         for j in unit.judged:
             out.rows["query_history"].append(
-                attempt_row(j.episode, unit.query, j.success, run_id=run_id, iteration=iteration, judged_at=judged_at))
+                attempt_row(j.episode, unit.query, j.success, run_id=run_id, iteration=j.iteration,
+                            judged_at=judged_at))
             attempts, successes = attempts + 1, successes + j.success
             if j.success:
                 out.rows["replay_buffer"].append(buffer_entry(j.episode, j.steps, run_id=run_id))
@@ -154,7 +173,7 @@ def record(units: list[HistoryUnit], *, run_id: str, iteration: int, judged_at: 
 
 
 def run_history(units: list[HistoryUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
-    return record(units, run_id=run_id, iteration=ws.settings.loop.iteration, judged_at=datetime.now(UTC))
+    return record(units, run_id=run_id, judged_at=datetime.now(UTC))
 
 
 STAGE = StageDef[Workspace, HistoryUnit](

@@ -250,7 +250,8 @@ def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -
     guidance = {u.query.query_id: (u.guidance.guidance_id, u.guidance.text) for u in units if u.guidance}
     out = rollout([u.query for u in units], run_id=run_id, settings=settings, blobs=ws.blobs, gateway=ws.gateway,
                   guidance=guidance, seed_base=units[0].seed_base if units else "")
-    out.stats[f"model iteration {ws.settings.loop.iteration}"] += len(out.rows["episodes"])
+    if iteration_model is not None:
+        out.stats[f"episodes by loop.models[{ws.settings.loop.iteration}]"] += len(out.rows["episodes"])
     return out
 
 

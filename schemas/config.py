@@ -305,7 +305,9 @@ class LLMSettings(_Section):
 class LoopSettings(_Section):
     """The self-evolving loop (paper 2.2.1): which model iteration acts, and which queries count as hard."""
 
-    iteration: int = Field(default=0, ge=0, description="The model iteration this run's rollouts use.")
+    iteration: int = Field(
+        default=0, ge=0, description="Which entry of `models` serves this run's rollouts. The iteration recorded "
+        "with each attempt is not this number: it comes from the policy's model id (a new model, a new iteration).")
     models: dict[int, str] = Field(
         default_factory=dict,
         description="iteration -> the llm model ('local' or an endpoint name) serving that iteration's policy; "

@@ -258,7 +258,8 @@ class QueryAttempt(Record):
     query_id: str
     app: str
     source: str = Field(description="The query's source (page_graph, atomic, deep_search, miniwob, ...).")
-    iteration: int = Field(ge=0, description="The model iteration (loop.iteration) whose policy made the attempt.")
+    iteration: int = Field(ge=0, description="The model iteration whose policy made the attempt: each policy model "
+                           "id gets the next number the first night it acts (guidance.history.iterations).")
     policy: str
     model_id: str
     guidance_id: str | None = Field(default=None, description="The guidance the attempt was given, if any.")

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import polars as pl
 
+from trajforge.critics.evaluate import load_judged, score
+from trajforge.critics.stage import checker_for
+from trajforge.data.catalog import CatalogError, Lineage
 from trajforge.guidance.history import hardness
 from trajforge.llm.workspace import Workspace
+from trajforge.synth.export import ROLE_TABLES
+
+ROLE_TABLE_NAMES = {t.table for t in ROLE_TABLES.values()}
 
 
 def _rate(successes: int, attempts: int) -> str:
@@ -28,7 +34,7 @@ def _by(history: pl.DataFrame, column: str) -> list[str]:
     return lines
 
 
-def render_report(*, run_id: str, tag: str, iteration: int, history: pl.DataFrame, guidance: pl.DataFrame,
+def render_report(*, run_id: str, tag: str, history: pl.DataFrame, guidance: pl.DataFrame,
                   hard_before: list[str]) -> str:
     """Markdown for one run. `history` is every query_history row so far; `guidance` this run's guidance rows;
     `hard_before` the queries that were hard when the run began."""
@@ -36,6 +42,7 @@ def render_report(*, run_id: str, tag: str, iteration: int, history: pl.DataFram
     before = history.filter(pl.col("run_id") != run_id)
     accepted = int(now["success"].sum()) if now.height else 0
     models = ", ".join(sorted(set(now["model_id"]))) or "-"
+    iteration = ", ".join(str(i) for i in sorted(set(now["iteration"]))) or "-"
     lines = [
         f"# trajforge run {run_id} ({tag})", "",
         f"Model iteration {iteration}; policy model(s): {models}.", "",
@@ -79,14 +86,19 @@ def _this_run(ws: Workspace, table: str, run_id: str) -> pl.DataFrame | None:
 def render_yield(ws: Workspace, run_id: str) -> list[str]:
     """Rows each training and synthesis table got this run, by kind; a kind with zero rows is a bug to explain."""
     lines = ["## Training data written this run", "", "| table | kind | rows |", "| --- | --- | --- |"]
-    for table, column in (("episodes", "source"), ("train_e2e", None), ("grounding", "kind"),
+    episodes = _this_run(ws, "episodes", run_id)
+    team = episodes is not None and episodes.filter(pl.col("policy") == "mobile_agent_v3").height > 0
+    for table, column in (("episodes", "source"), ("train_e2e", None), ("train_manager", None), ("train_worker", None),
+                          ("train_reflector", "outcome"), ("train_notetaker", None), ("grounding", "kind"),
                           ("train_grounding", None), ("action_semantics", "tier"), ("train_semantics", None),
+                          ("reasoning_samples", "hint_style"), ("train_reasoning", "hint_style"),
                           ("manuals", "app"), ("plans", "app"), ("train_planning", None)):
         rows = _this_run(ws, table, run_id)
         if rows is None:
             lines.append(f"| {table} | - | table not written yet |")
         elif column is None or rows.height == 0:
-            lines.append(f"| {table} | all | {rows.height} |")
+            why = " (no mobile_agent_v3 episode this run)" if table in ROLE_TABLE_NAMES and not team else ""
+            lines.append(f"| {table} | all | {rows.height}{why} |")
         else:
             for row in rows.group_by(column).len().sort(column).iter_rows():
                 lines.append(f"| {table} | {row[0] or 'policy'} | {row[1]} |")
@@ -121,6 +133,88 @@ def render_policy(ws: Workspace, run_id: str) -> list[str]:
             "step.", ""]
 
 
+def _lineage_of_run(ws: Workspace, table: str, run_id: str) -> Lineage | None:
+    if table not in ws.catalog.tables():
+        return None
+    mine = [i.lineage for i in ws.catalog.history(table) if i.run_id == run_id and i.lineage is not None]
+    return mine[-1] if mine else None
+
+
+def render_filters(ws: Workspace, run_id: str) -> list[str]:
+    """The online rejection-sampling filters of train_e2e this run: what each kept and dropped, with its setting."""
+    lineage = _lineage_of_run(ws, "train_e2e", run_id)
+    if lineage is None:
+        return []
+    cfg = ws.settings.synth
+    lines = ["## Rejection-sampling filters (train_e2e and the role tables)", "",
+             f"Settings: tau_c {cfg.tau_c}; consistency {cfg.consistency}; weights in [{cfg.reweight_min}, "
+             f"{cfg.reweight_max}], smoothing {cfg.reweight_smoothing}.", "",
+             "| table or reason | rows |", "| --- | --- |"]
+    lines += [f"| kept in {table} | {n} |" for table, n in sorted(lineage.kept.items())]
+    lines += [f"| dropped: {reason} | {n} |" for reason, n in sorted(lineage.dropped.items())]
+    lines += [f"| {name} | {n} |" for name, n in sorted(lineage.stats.items()) if name.startswith("filter")]
+    rows = _this_run(ws, "train_e2e", run_id)
+    if rows is not None and rows.height and "weight" in rows.columns:
+        lines += ["", f"Row weights (filter 3): min {rows['weight'].min():.2f}, mean {rows['weight'].mean():.2f}, "
+                  f"max {rows['weight'].max():.2f}."]
+    return lines + [""]
+
+
+def render_calibration(ws: Workspace, run_id: str) -> list[str]:
+    """What a verdict is worth: each critic channel, the step labels and the consensus against the checkers, on
+    this run's judged episodes (precision on success: how clean kept data is; NPV: how safe dropping is)."""
+    verdicts = _lineage_of_run(ws, "verdicts", run_id)
+    if verdicts is None:
+        return []
+    version = ws.catalog.written_with("verdicts", verdicts)
+    try:
+        _, judged = load_judged(ws.catalog, f"verdicts@{version}", checker_for)
+    except CatalogError as exc:
+        return ["## What a verdict is worth", "", f"Not measured: {exc}.", ""]
+    lines = ["## What a verdict is worth (critics against the checkers)", "",
+             f"{len(judged)} judged episodes, {sum(j.truth for j in judged)} successful by their checkers. Training "
+             f"steps are kept at a step-critic score of at least tau_c = {ws.settings.synth.tau_c}.", "",
+             "| predictor | answered | precision on success | NPV | kappa | unanswered |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for report in score(judged):
+        c = report.confusion
+        precision = f"{c.precision:.2f}" if c.tp + c.fp else "- (none judged a success)"
+        npv = f"{c.npv:.2f}" if c.tn + c.fn else "- (none judged a failure)"
+        kappa = f"{c.kappa:.2f}" if c.n else "-"
+        lines.append(f"| {report.name} | {c.n} | {precision} | {npv} | {kappa} | {report.unanswered} |")
+    return lines + [""]
+
+
+def render_reasoning(ws: Workspace, run_id: str) -> list[str]:
+    """Reasoning synthesis this run: per hint style, the share of tried steps that got an accepted reasoning."""
+    samples = _this_run(ws, "reasoning_samples", run_id)
+    if samples is None or samples.height == 0:
+        return []
+    tried = samples["step_id"].n_unique()
+    lines = ["## Reasoning synthesis", "", f"{tried} trusted steps tried.", "",
+             "| hint style | steps with an accepted reasoning | samples | kept |", "| --- | --- | --- | --- |"]
+    by_style = samples.group_by("hint_style").agg(
+        pl.col("step_id").filter(pl.col("kept")).n_unique().alias("steps"), pl.len().alias("n"),
+        pl.col("kept").sum().alias("kept")).sort("hint_style")
+    for row in by_style.iter_rows(named=True):
+        lines.append(f"| {row['hint_style']} | {_rate(row['steps'], tried)} | {row['n']} | {row['kept']} |")
+    return lines + [""]
+
+
+def render_iterations(history: pl.DataFrame) -> list[str]:
+    """The loop's iterations side by side: each policy model's attempts and success rate over every night."""
+    if history.height == 0:
+        return []
+    lines = ["## Model iterations", "", "| iteration | policy model | nights | attempts | success |",
+             "| --- | --- | --- | --- | --- |"]
+    grouped = history.group_by("iteration", "model_id").agg(
+        pl.col("run_id").n_unique().alias("nights"), pl.len().alias("n"), pl.col("success").sum().alias("ok"))
+    for row in grouped.sort("iteration", "model_id").iter_rows(named=True):
+        lines.append(f"| {row['iteration']} | {row['model_id']} | {row['nights']} | {row['n']} | "
+                     f"{_rate(row['ok'], row['n'])} |")
+    return lines + [""]
+
+
 def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     """Write the run's report to `<warehouse>/reports/<run_id>.md` (rebuilt the same on a resumed run)."""
     history = ws.catalog.load("query_history")
@@ -135,7 +229,9 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     ]
     path = ws.catalog.warehouse / "reports" / f"{run_id}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = render_report(run_id=run_id, tag=tag, iteration=loop.iteration, history=history, guidance=guidance,
+    report = render_report(run_id=run_id, tag=tag, history=history, guidance=guidance,
                            hard_before=hard_before)
-    path.write_text(report + "\n" + "\n".join(render_policy(ws, run_id) + render_yield(ws, run_id)))
+    path.write_text(report + "\n" + "\n".join(
+        render_policy(ws, run_id) + render_yield(ws, run_id) + render_filters(ws, run_id)
+        + render_calibration(ws, run_id) + render_reasoning(ws, run_id) + render_iterations(history)))
     return path

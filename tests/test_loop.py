@@ -15,6 +15,8 @@ import polars as pl
 import pytest
 from test_pipeline import cli, workspace
 
+from trajforge.guidance.history import iterations
+
 pytestmark = pytest.mark.browser
 
 CONFIG = """
@@ -123,3 +125,11 @@ def test_history_rerun_on_the_same_verdicts_counts_no_attempt_twice(two_nights, 
     lineage = ws.catalog.lineage("query_history")
     assert lineage.inputs["verdicts"] == first_verdicts and lineage.kept == {"query_history": 0}
     assert lineage.dropped["episode already in query_history (a rerun of the stage)"] == before // 2
+
+
+def test_a_night_with_a_new_policy_model_starts_a_new_iteration():
+    assert iterations([], ["m0"]) == {"m0": 0}
+    seen = [("m0", 0), ("m0", 0), ("m1", 1)]
+    assert iterations(seen, ["m1", "m0"]) == {"m0": 0, "m1": 1}  # the same models: the same iterations
+    assert iterations(seen, ["m2", "m1"]) == {"m0": 0, "m1": 1, "m2": 2}
+    assert iterations(seen, ["zz", "aa"])["aa"] == 2  # two new ones numbered in sorted order, alike in every shard
