@@ -223,7 +223,6 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
 
 def _count_policy_steps(output: StageOutput) -> None:
     """The model policy's steps in the lineage (valid actions, constrained answers, model time), and said."""
-    calls = 0
     for step in output.rows["steps"]:
         assert isinstance(step, Step)
         if step.model_calls_json is None:  # replay and random policies ask no model
@@ -231,13 +230,14 @@ def _count_policy_steps(output: StageOutput) -> None:
         output.stats["policy steps"] += 1
         output.stats["policy steps with a valid action"] += step.action_valid
         for call in json.loads(step.model_calls_json):
-            calls += 1
+            output.stats["policy model calls"] += 1
             output.stats["policy model ms"] += round(call["latency_ms"])
             output.stats["policy calls constrained while decoding"] += call.get("constrained") is not None
     if steps := output.stats["policy steps"]:
         logger.info("rollout: %d policy steps, %.0f%% with a valid action, %d of %d calls constrained, "
                     "%.1f s of model time per step", steps, 100 * output.stats["policy steps with a valid action"]
-                    / steps, output.stats["policy calls constrained while decoding"], calls,
+                    / steps, output.stats["policy calls constrained while decoding"],
+                    output.stats["policy model calls"],
                     output.stats["policy model ms"] / 1000 / steps)
 
 

@@ -7,7 +7,6 @@ it. Everything comes from the run's catalog rows, so the report can be rebuilt l
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import polars as pl
@@ -115,22 +114,20 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
 
 
 def render_policy(ws: Workspace, run_id: str) -> list[str]:
-    """The model policy's steps this run: how many acted validly, how many answers were held to their
-    format while decoding, and the model time a step cost."""
-    steps = _this_run(ws, "steps", run_id)
-    if steps is None or "model_calls_json" not in steps.columns:
+    """The model policy's steps this run, as the rollout stage counted them in its lineage: how many acted
+    validly, how many answers were held to their format while decoding, and the model time a step cost."""
+    lineage = next((i.lineage for i in ws.catalog.history("steps") if i.run_id == run_id and i.lineage is not None
+                    and i.lineage.stage == "rollout"), None) if "steps" in ws.catalog.tables() else None
+    counted = lineage.stats if lineage is not None else {}
+    steps = counted.get("policy steps", 0)
+    if not steps:
         return []
-    steps = steps.filter(pl.col("model_calls_json").is_not_null())
-    if steps.height == 0:
-        return []
-    calls = [c for raw in steps["model_calls_json"] for c in json.loads(raw)]
-    constrained = sum(c.get("constrained") is not None for c in calls)
-    seconds = sum(c["latency_ms"] for c in calls) / 1000 / steps.height
-    valid = int(steps["action_valid"].sum())
+    valid = counted.get("policy steps with a valid action", 0)
     return ["## The policy's steps", "",
-            f"{steps.height} steps, {valid} ({valid / steps.height:.0%}) with a valid action; {constrained} of "
-            f"{len(calls)} model answers held to their format while decoding; {seconds:.1f} s of model time per "
-            "step.", ""]
+            f"{steps} steps, {valid} ({valid / steps:.0%}) with a valid action; "
+            f"{counted.get('policy calls constrained while decoding', 0)} of {counted.get('policy model calls', 0)} "
+            f"model answers held to their format while decoding; {counted.get('policy model ms', 0) / 1000 / steps:.1f}"
+            " s of model time per step.", ""]
 
 
 def _lineage_of_run(ws: Workspace, table: str, run_id: str) -> Lineage | None:
