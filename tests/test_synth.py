@@ -76,6 +76,9 @@ class ModelServer(ScriptedServer):
             action = json.loads(re.search(r"(\{.*\})", user).group(1))
             function = re.search(r'"name": "(\w+)"', system).group(1)
             return json.dumps(to_call(action, function))
+        if "A team of agents decided" in system:  # distillation: the roles' words, merged
+            plan = re.search(r'^manager: .*"pending_subgoals": \["([^"]*)"', user, re.M).group(1)
+            return f"The plan says {plan} next, so I act on it."
         if "You are told the right next action" in system:
             return "The task needs this element, and it is on the screen."
         raise AssertionError(f"unexpected prompt: {system[:80]}")
@@ -381,3 +384,21 @@ def test_a_step_no_sampled_reasoning_matches_is_written_with_the_answer_and_flag
     assert row.hinted_with_answer and row.source_id == hinted.reasoning_id
     assert out.stats["steps with an accepted reasoning: hinted"] == 1
 
+
+
+def test_a_step_the_agent_team_decided_is_distilled_into_one_reasoning(recorded, model):
+    root, run, snapshots = recorded
+    ws = workspace(root, model.url, cache=False, reasoning_steps_per_shard=1)
+    unit = reasoning.load_trusted(ws, snapshots["steps"]).units[0]
+    roles = {"manager": {"output": {"pending_subgoals": ["open the note"]}},
+             "worker": {"output": {"thought": "tap it", "action": {"action": "click"}}},
+             "notetaker": {"output": None}}  # a role whose answer did not parse is left out
+    steps = [s.model_copy(update={"roles_json": json.dumps(roles)}) for s in unit.steps]
+    out = reasoning.reason([dataclasses.replace(unit, steps=steps)], ws, ws.ledger.open_run("test", "team").run_id, "")
+    [sample] = out.rows["reasoning_samples"]
+    assert sample.hint_style == "distilled" and sample.kept and not sample.hinted_with_answer
+    assert sample.reasoning == "The plan says open the note next, so I act on it."
+    [row] = out.rows["train_reasoning"]
+    assert row.hint_style == "distilled" and "The plan says open the note" in row.messages_json
+    asked = model.requests[-1]["body"]["messages"][-1]
+    assert "notetaker" not in json.dumps(asked) and "worker:" in json.dumps(asked)
