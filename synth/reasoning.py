@@ -158,7 +158,8 @@ def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> S
 def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, attempt: int, answer: _Answer,
          prompt: str, **result: Any) -> ReasoningSample:
     return ReasoningSample(
-        run_id=reasoner.run_id, reasoning_id=short_id(step.step_id, style, str(attempt)), step_id=step.step_id,
+        run_id=reasoner.run_id, reasoning_id=short_id(reasoner.run_id, step.step_id, style, str(attempt)),
+        step_id=step.step_id,
         episode_id=unit.episode_id, query_id=unit.query_id, trusted=unit.trusted, hint_style=style, attempt=attempt,
         reasoning=answer.text.strip(), raw_output=answer.text, trusted_action_json=step.action_json,
         model_id=answer.model_id, prompt_version=prompt, **result)
