@@ -69,7 +69,14 @@ async def _run_stage(stage: Stage, ws: Workspace, run_id: str, input_snapshot: i
     wait(futures)
     for f in futures:
         f.result()  # re-raise the first shard failure; done shards stay recorded
-    return commit(p, ws)
+    snapshots = commit(p, ws)
+    if stage.summary is not None and snapshots:
+        table = next(iter(snapshots))
+        lineage = ws.catalog.lineage(table, snapshots[table])
+        line = stage.summary(lineage.stats if lineage is not None else {})
+        if line:
+            print(f"{stage.name}: {line}")  # the stage flow logs prints
+    return snapshots
 
 
 def _stage_flow(stage: Stage):

@@ -14,7 +14,6 @@ same ids and the catalog can tell a redone shard from new work.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -39,8 +38,6 @@ from trajforge.schemas.config import RolloutSettings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Episode, Query, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
-
-logger = logging.getLogger(__name__)
 
 
 def episode_id_for(run_id: str, query_id: str, attempt: int = 1, sample: int = 0) -> str:
@@ -222,7 +219,7 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
 
 
 def _count_policy_steps(output: StageOutput) -> None:
-    """The model policy's steps in the lineage (valid actions, constrained answers, model time), and said."""
+    """The model policy's steps in the lineage: valid actions, constrained answers, model calls and time."""
     for step in output.rows["steps"]:
         assert isinstance(step, Step)
         if step.model_calls_json is None:  # replay and random policies ask no model
@@ -233,12 +230,19 @@ def _count_policy_steps(output: StageOutput) -> None:
             output.stats["policy model calls"] += 1
             output.stats["policy model ms"] += round(call["latency_ms"])
             output.stats["policy calls constrained while decoding"] += call.get("constrained") is not None
-    if steps := output.stats["policy steps"]:
-        logger.info("rollout: %d policy steps, %.0f%% with a valid action, %d of %d calls constrained, "
-                    "%.1f s of model time per step", steps, 100 * output.stats["policy steps with a valid action"]
-                    / steps, output.stats["policy calls constrained while decoding"],
-                    output.stats["policy model calls"],
-                    output.stats["policy model ms"] / 1000 / steps)
+
+
+def policy_summary(stats: dict[str, int]) -> str | None:
+    """The share of the model policy's steps with a valid action and the model time a step cost (None: the
+    policy asked no model)."""
+    steps = stats.get("policy steps", 0)
+    if not steps:
+        return None
+    valid = stats.get("policy steps with a valid action", 0)
+    return (f"{steps} policy steps, {valid} ({valid / steps:.0%}) with a valid action; "
+            f"{stats.get('policy calls constrained while decoding', 0)} of {stats.get('policy model calls', 0)} "
+            f"model answers held to their format while decoding; {stats.get('policy model ms', 0) / 1000 / steps:.1f} "
+            "s of model time per step")
 
 
 def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
@@ -265,4 +269,5 @@ STAGE = StageDef[Workspace, RolloutUnit](
     run=run_rollouts,
     shard_size=lambda s: s.rollout.episodes_per_shard,
     # One shard at a time: each shard runs `rollout.contexts` browser contexts itself.
+    summary=policy_summary,
 )

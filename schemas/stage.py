@@ -81,3 +81,6 @@ class StageDef(Generic[W, U]):
     shard_size: Callable[[Settings], int]
     workers: Callable[[Settings], int] = lambda s: 1
     """Shards run at once (Prefect's thread task runner)."""
+    summary: Callable[[dict[str, int]], str | None] | None = None
+    """One line for the person watching the run, from the stage's summed counts (its lineage's stats); the
+    flow prints it after the commit."""

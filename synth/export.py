@@ -2,10 +2,11 @@
 
 One `train_e2e` row per step of a trajectory the critics accepted that passes the online
 rejection-sampling filters (`synth.filters`: the step critic's score at least tau_c, a
-thought consistent with the action), weighted by its query's success rate. The messages are those the policy is asked with (the gui_owl_e2e template: the
-action space as a function in the system message, the task, the history and the newest
-screenshot in the user message) and the assistant's answer is the step's thought and
-the action as a `<tool_call>` of that function. The screenshots are embedded as PNG
+thought consistent with the action), weighted by its query's success rate. The messages
+are those the policy is asked with (the gui_owl_e2e template: the action space as a
+function in the system message, the task, the history and the newest screenshot in the
+user message) and the assistant's answer is the step's thought and the action as a
+`<tool_call>` of that function. The screenshots are embedded as PNG
 bytes, so a fine-tuning job needs nothing but the Parquet files.
 
 A trajectory the Mobile-Agent-v3 team played also gives each role's answers as asked

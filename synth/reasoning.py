@@ -21,7 +21,6 @@ result), so each style's acceptance rate can be counted; each kept one is a
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -41,7 +40,6 @@ from trajforge.synth.semantics import action_text
 
 PROMPTS = Path(__file__).parent / "prompts"
 ACT, HINTED, DISTILL = "reasoning_act", "reasoning_hinted", "reasoning_distill"
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -148,11 +146,18 @@ def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> S
                 run_id=run_id, sample_id=short_id(run_id, sample.reasoning_id), source_id=sample.reasoning_id,
                 messages_json=messages_json, images=images, tag=tag, hint_style=sample.hint_style,
                 hinted_with_answer=sample.hinted_with_answer))
-    if tried := out.stats["steps tried"]:
-        logger.info("reasoning: %d trusted steps; accepted per hint style: %s", tried, ", ".join(
-            f"{style} {out.stats[f'steps with an accepted reasoning: {style}'] / tried:.0%}"
-            for style in (*cfg.hint_styles, "hinted", "distilled")))
     return out
+
+
+def reasoning_summary(stats: dict[str, int]) -> str | None:
+    """The share of tried steps that got an accepted reasoning, per hint style (None: no step tried)."""
+    tried = stats.get("steps tried", 0)
+    if not tried:
+        return None
+    prefix = "steps with an accepted reasoning: "
+    shares = [f"{name.removeprefix(prefix)} {n / tried:.0%}" for name, n in sorted(stats.items())
+              if name.startswith(prefix)]
+    return f"{tried} trusted steps; accepted reasoning per hint style: {', '.join(shares) or 'none'}"
 
 
 def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, attempt: int, answer: _Answer,
@@ -265,4 +270,5 @@ STAGE = StageDef[Workspace, TrustedEpisode](
     load=load_trusted,
     run=reason,
     shard_size=lambda s: 50,
+    summary=reasoning_summary,
 )

@@ -16,6 +16,7 @@ from trajforge.critics.stage import checker_for
 from trajforge.data.catalog import CatalogError, Lineage
 from trajforge.guidance.history import hardness
 from trajforge.llm.workspace import Workspace
+from trajforge.rollout.stage import policy_summary
 from trajforge.synth.export import ROLE_TABLES
 
 ROLE_TABLE_NAMES = {t.table for t in ROLE_TABLES.values()}
@@ -114,20 +115,11 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
 
 
 def render_policy(ws: Workspace, run_id: str) -> list[str]:
-    """The model policy's steps this run, as the rollout stage counted them in its lineage: how many acted
-    validly, how many answers were held to their format while decoding, and the model time a step cost."""
+    """The model policy's steps this run, as the rollout stage counted them in its lineage."""
     lineage = next((i.lineage for i in ws.catalog.history("steps") if i.run_id == run_id and i.lineage is not None
                     and i.lineage.stage == "rollout"), None) if "steps" in ws.catalog.tables() else None
-    counted = lineage.stats if lineage is not None else {}
-    steps = counted.get("policy steps", 0)
-    if not steps:
-        return []
-    valid = counted.get("policy steps with a valid action", 0)
-    return ["## The policy's steps", "",
-            f"{steps} steps, {valid} ({valid / steps:.0%}) with a valid action; "
-            f"{counted.get('policy calls constrained while decoding', 0)} of {counted.get('policy model calls', 0)} "
-            f"model answers held to their format while decoding; {counted.get('policy model ms', 0) / 1000 / steps:.1f}"
-            " s of model time per step.", ""]
+    line = policy_summary(lineage.stats) if lineage is not None else None
+    return ["## The policy's steps", "", f"{line}.", ""] if line else []
 
 
 def _lineage_of_run(ws: Workspace, table: str, run_id: str) -> Lineage | None:

@@ -48,7 +48,7 @@ def cli(exe: str, cwd: Path, *args: str) -> str:
     proc = subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return proc.stdout + proc.stderr  # Prefect's log lines (the stages' summaries) go to stderr
 
 
 def calls_of(steps) -> list[dict]:
@@ -57,7 +57,7 @@ def calls_of(steps) -> list[dict]:
 
 def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embedded, chromium, trajforge_cli):
     (tmp_path / "trajforge.yaml").write_text(CONFIG)  # no policy or model named: the defaults
-    cli(trajforge_cli, tmp_path, "run", "nightly")
+    said = cli(trajforge_cli, tmp_path, "run", "nightly")
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
     episodes = ws.catalog.load("episodes").filter(pl.col("source").is_null() | (pl.col("source") != "reference"))
     episode = episodes.row(0, named=True)
@@ -73,7 +73,8 @@ def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embe
     assert {c["constrained"] for c in calls} == {"grammar"} and not any(c["parse_error"] for c in calls)
     assert steps["action_valid"].all(), steps.filter(~pl.col("action_valid"))["action_error"].to_list()
     report = next((tmp_path / "data" / "warehouse" / "reports").glob("*.md")).read_text()
-    assert f"{steps.height} steps, {steps.height} (100%) with a valid action" in report
+    assert f"{steps.height} policy steps, {steps.height} (100%) with a valid action" in report
+    assert f"rollout: {steps.height} policy steps, {steps.height} (100%) with a valid action" in said
     lineage = ws.catalog.lineage("episodes")
     assert lineage.models["policy_model"] == SMOLLM2_ID and lineage.prompts == {"gui_owl_e2e": "1"}
     assert ws.catalog.load("verdicts").height == episodes.height
