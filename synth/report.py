@@ -97,7 +97,9 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
         if rows is None:
             lines.append(f"| {table} | - | table not written yet |")
         elif column is None or rows.height == 0:
-            why = " (no mobile_agent_v3 episode this run)" if table in ROLE_TABLE_NAMES and not team else ""
+            why = " (no mobile_agent_v3 episode this run)" if table in ROLE_TABLE_NAMES and not team else \
+                " (no policy trajectory passed the critics and filters: see below)" if table == "train_e2e" and \
+                rows.height == 0 else ""
             lines.append(f"| {table} | all | {rows.height}{why} |")
         else:
             for row in rows.group_by(column).len().sort(column).iter_rows():
