@@ -55,6 +55,10 @@ def test_one_row_per_good_or_neutral_step_of_an_accepted_trajectory(night):
     expected = {s for s in steps["step_id"] if labels[s] in ("GOOD", "NEUTRAL")}
     assert expected and set(data["step_id"].to_pylist()) == expected and data.num_rows == len(expected)
     assert set(data["tag"].to_pylist()) == {tag} and set(data["label"].to_pylist()) <= {"GOOD", "NEUTRAL"}
+    # Filter 1 at tau_c 0.5: the critic's score of each kept step; filter 3: a weight from its query's p_succ.
+    assert set(data["score"].to_pylist()) <= {1.0, 0.5} and all(w > 0 for w in data["weight"].to_pylist())
+    p_succ = ws.catalog.load("query_history").group_by("query_id").agg(pl.col("success").mean())
+    assert set(data["p_succ"].to_pylist()) <= set(p_succ["success"].to_list())
     lineage = ws.catalog.lineage("train_e2e", tag)
     assert lineage.kept == {"train_e2e": len(expected)} and lineage.prompts == {"gui_owl_e2e": "1"}
 
