@@ -25,7 +25,7 @@ from trajforge.llm import Gateway
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import CriticSettings
 from trajforge.schemas.ids import short_id
-from trajforge.schemas.records import Episode, Query, Step, StepCritique, Verdict
+from trajforge.schemas.records import Episode, Query, Step, StepCritique, Verdict, steps_by_episode
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 # (checker name, params, state) -> (success, reason): the app's own checker.
@@ -184,9 +184,7 @@ def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
     steps, _ = ws.catalog.rows_added("steps", steps_snapshot)
     queries_snapshot = lineage.inputs["queries"]
     queries = {q["query_id"]: Query.model_validate(q) for q in ws.catalog.load("queries", queries_snapshot).to_dicts()}
-    by_episode: dict[str, list[Step]] = {}
-    for step in steps.sort("step_index").to_dicts():
-        by_episode.setdefault(step["episode_id"], []).append(Step.model_validate(step))
+    by_episode = steps_by_episode(steps.to_dicts())
     units = [
         EpisodeUnit(Episode.model_validate(ep), by_episode.get(ep["episode_id"], []), queries.get(ep["query_id"]))
         for ep in episodes.to_dicts()

@@ -9,8 +9,9 @@ strings: Iceberg schemas stay stable while the payloads evolve.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from datetime import datetime
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -176,6 +177,15 @@ class Step(Record):
     )
 
     _json = field_validator("action_json")(_check_json)
+
+
+def steps_by_episode(rows: Iterable[dict[str, Any]]) -> dict[str, list[Step]]:
+    """Step rows (a frame's `to_dicts()`) validated and grouped by episode, each episode's steps in order:
+    where every stage that works an episode at a time starts."""
+    grouped: dict[str, list[Step]] = {}
+    for row in sorted(rows, key=lambda r: (r["episode_id"], r["step_index"])):
+        grouped.setdefault(row["episode_id"], []).append(Step.model_validate(row))
+    return grouped
 
 
 class Page(Record):

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 import polars as pl
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs import actions
 from trajforge.guidance.history import load_judged
-from trajforge.llm import ImagePart, RenderedPrompt, TextPart, load_prompt
+from trajforge.llm import ImagePart, load_prompt
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, action_lines, to_call, tool_spec
+from trajforge.rollout.gui_owl import PROMPT, action_lines
 from trajforge.schemas.config import SynthSettings
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import (
@@ -41,6 +40,7 @@ from trajforge.schemas.records import (
     WorkerChat,
 )
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+from trajforge.synth.chat import chat_messages, policy_messages
 from trajforge.synth.filters import POSITIVE, Reflection, balance_reflections, consistent, critic_score, weights
 
 ROLE_TABLES: dict[str, type[RoleChat]] = {"manager": ManagerChat, "worker": WorkerChat, "reflector": ReflectorChat,
@@ -147,41 +147,6 @@ def _role_rows(unit: ExportUnit, out: StageOutput, settings: SynthSettings, *, r
             else:
                 out.rows[ROLE_TABLES[role].table].append(ROLE_TABLES[role](**common))
     return reflections
-
-
-def chat_messages(rendered: RenderedPrompt, answer: str, blobs: BlobStore) -> tuple[str, list[bytes]]:
-    """A rendered prompt and its answer as a chat sample: (messages_json, the PNG of each image part)."""
-    messages: list[dict[str, Any]] = []
-    images: list[bytes] = []
-    for message in rendered.messages:
-        content: list[dict[str, str]] = []
-        for part in message.content:
-            if isinstance(part, ImagePart):
-                images.append(blobs.get(part.sha256))
-                content.append({"type": "image"})
-            elif isinstance(part, TextPart):
-                content.append({"type": "text", "text": part.text})
-        messages.append({"role": message.role, "content": content})
-    messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    return json.dumps(messages), images
-
-
-def policy_messages(*, instruction: str, viewport: str, step: Step, history: list[str], thought: str, summary: str,
-                    blobs: BlobStore) -> tuple[str, list[bytes]]:
-    """A step as the policy is asked it (the gui_owl_e2e prompt: the task, the history, the screen before) with
-    `thought`, `summary` and the step's action as the answer: (messages_json, the PNG of each image part).
-    Every table that teaches the policy one step (train_e2e, train_reasoning) is made by this function."""
-    prompt = load_prompt(PROMPT)
-    space = actions.space_for(viewport)
-    function = FUNCTIONS[space]
-    rendered = prompt.render(
-        platform=space, width=step.width, height=step.height, tools=tool_spec(space), function=function,
-        task=instruction, guidance=None, history=list(history),
-        screenshots=[ImagePart(sha256=step.screenshot_before)],
-    )
-    call = to_call({"type": step.action_type, **json.loads(step.action_json)}, function)
-    return chat_messages(rendered, f"<thinking>{thought}</thinking>\n<conclusion>{summary}</conclusion>\n"
-                                   f"<tool_call>\n{json.dumps(call)}\n</tool_call>", blobs)
 
 
 def _sample(unit: ExportUnit, step: Step, label: str, score: float, summary: str, history: list[str], *,

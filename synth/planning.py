@@ -39,7 +39,7 @@ from trajforge.llm import GatewayError, load_prompt
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.ids import short_id
-from trajforge.schemas.records import Manual, Plan, PlanningChat, Query, Step
+from trajforge.schemas.records import Manual, Plan, PlanningChat, Query, Step, steps_by_episode
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput, config_hash
 from trajforge.synth.chat import chat_sample
 
@@ -266,10 +266,8 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
     queries_frame, queries_snapshot = ws.catalog.latest("queries")
     queries = {q["query_id"]: Query.model_validate(q) for q in queries_frame.to_dicts()}
     steps = (ws.catalog.scan("steps").filter(pl.col("episode_id").is_in(good["episode_id"].to_list()))
-             .collect().sort("episode_id", "step_index"))
-    by_episode: dict[str, list[Step]] = {}
-    for s in steps.to_dicts():
-        by_episode.setdefault(s["episode_id"], []).append(Step.model_validate(s))
+             .collect())
+    by_episode = steps_by_episode(steps.to_dicts())
     history: dict[str, tuple[int, int]] = {}
     if "query_history" in ws.catalog.tables():
         counts = ws.catalog.load("query_history").group_by("query_id").agg(

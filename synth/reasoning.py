@@ -32,9 +32,9 @@ from trajforge.llm import GatewayError, ImagePart, Sampling, load_prompt
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
 from trajforge.schemas.ids import short_id
-from trajforge.schemas.records import ReasoningChat, ReasoningSample, Step
+from trajforge.schemas.records import ReasoningChat, ReasoningSample, Step, steps_by_episode
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
-from trajforge.synth.export import policy_messages
+from trajforge.synth.chat import policy_messages
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
 
@@ -241,9 +241,7 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
             verdicts = ws.catalog.load("verdicts", verdicts_snapshot).filter(pl.col("episode_id").is_in(ids))
             accepted = dict(verdicts.group_by("episode_id", maintain_order=True).agg(pl.col("success").last())
                             .iter_rows())
-    by_episode: dict[str, list[Step]] = {}
-    for s in steps.sort("episode_id", "step_index").to_dicts():
-        by_episode.setdefault(s["episode_id"], []).append(Step.model_validate(s))
+    by_episode = steps_by_episode(steps.to_dicts())
     inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
     for e in episodes.to_dicts():
         if e.get("source") == "reference":

@@ -40,7 +40,7 @@ from trajforge.llm import GatewayError, ImagePart, Sampling, load_prompt
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.gui_owl import FUNCTIONS, to_call
 from trajforge.schemas.ids import short_id
-from trajforge.schemas.records import ActionSemantics, SemanticsChat, Step
+from trajforge.schemas.records import ActionSemantics, SemanticsChat, Step, steps_by_episode
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 from trajforge.synth.chat import chat_sample
 
@@ -249,9 +249,7 @@ def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeSteps]:
     episodes = (ws.catalog.scan("episodes").select("episode_id", "viewport", "instruction")
                 .filter(pl.col("episode_id").is_in(steps["episode_id"].unique().to_list())).collect())
     about = {r["episode_id"]: r for r in episodes.to_dicts()}
-    by_episode: dict[str, list[Step]] = {}
-    for s in steps.sort("episode_id", "step_index").to_dicts():
-        by_episode.setdefault(s["episode_id"], []).append(Step.model_validate(s))
+    by_episode = steps_by_episode(steps.to_dicts())
     units = [EpisodeSteps(eid, about.get(eid, {}).get("viewport", "mobile"), about.get(eid, {}).get("instruction", ""),
                           st) for eid, st in by_episode.items()]
     return Inputs(units=units, snapshots={"steps": snapshot})
