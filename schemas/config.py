@@ -420,6 +420,59 @@ class SynthSettings(_Section):
         default=14.0, ge=0, description="A predicted point matches within this many pixels of the target's box.")
 
 
+class PalUISettings(_Section):
+    """PAL-UI (pal-ui-active-lookback.md, 4.1 and 4.3): teacher passes with a Retrieve tool over trusted steps."""
+
+    steps_per_shard: int = Field(
+        default=2, ge=0, description="Trusted steps per shard of episodes given a teacher pass (paper: every step of "
+        "8.6K; a budget here because each pass costs model calls: a caption and a validation per earlier step, cached, "
+        "then one or two teacher calls).")
+    min_step: int = Field(
+        default=1, ge=0, description="A step needs this many earlier steps to be a sample (step 0 has nothing to look "
+        "back at); not in the paper.")
+    distance_weight: float = Field(
+        default=0.5, ge=0, description="A retrieval sample's weight is 1 + this * (i - j - 1): looking further back "
+        "weighs more (paper 4.3 says 'increased the sampling weight' without the number).")
+    retrieval_share: float = Field(
+        default=0.5, ge=0, le=1, description="The share of retrieval samples after balancing (paper 4.3: 4.3K of "
+        "8.6K, half).")
+
+
+class CESSettings(_Section):
+    """CES (ces-coordinator-executor-state-tracker.md, 4.2, A.2, B.1): coordinator and state-tracker samples scored
+    by a frozen executor."""
+
+    steps_per_shard: int = Field(
+        default=1, ge=0, description="Trusted steps per shard of episodes scored (each: N coordinator instructions "
+        "and N executor calls, then N states and N coordinator + executor calls).")
+    group_size: int = Field(default=4, gt=1, description="N: candidates per step (paper Table 4, rollout_n 4).")
+    alpha_format: float = Field(default=0.1, ge=0, description="alpha_1, the format reward's weight (paper B.2).")
+    alpha_exec: float = Field(default=0.9, ge=0, description="alpha_2, the executor reward's weight (paper B.2).")
+    gamma_type: float = Field(default=0.2, ge=0, description="gamma_1, the action-type reward's weight (paper B.2).")
+    gamma_param: float = Field(default=0.8, ge=0, description="gamma_2, the parameter reward's weight (paper B.2).")
+    temperature: float = Field(
+        default=0.9, gt=0, description="Sampling temperature of the N candidates (not in the paper; a group needs "
+        "different answers).")
+
+
+class AgenticQSettings(_Section):
+    """Agentic-Q (agentic-q-step-wise-policy-optimization.md, 2, 3.1-3.4): step values and SWPO candidate groups."""
+
+    attempts: int = Field(
+        default=8, gt=1, description="n: attempts per query a level is counted over (paper 3.1: n = 8); a query with "
+        "fewer judged attempts is left for a later night and counted.")
+    window: int = Field(default=1, ge=0, description="w: earlier steps the state shows (paper 3.3's sliding window; "
+                        "the width is not given, 1 here).")
+    candidates: int = Field(default=4, gt=1, description="K: candidate actions sampled per state (not in the paper).")
+    groups: int = Field(
+        default=2, ge=0, description="States per night given K candidates (K policy calls each); the stage runs as "
+        "one shard, so the group weights u(s) are normalised over the whole night.")
+    min_std: float = Field(
+        default=0.05, ge=0, description="A group whose candidates' scores have a smaller std is dropped (paper 3.4: "
+        "'highly concentrated'; the threshold is not given).")
+    temperature: float = Field(default=0.9, gt=0, description="Sampling temperature of the K candidates.")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", yaml_file=None
@@ -434,6 +487,9 @@ class Settings(BaseSettings):
     loop: LoopSettings = LoopSettings()
     guidance: GuidanceSettings = GuidanceSettings()
     synth: SynthSettings = SynthSettings()
+    pal_ui: PalUISettings = PalUISettings()
+    ces: CESSettings = CESSettings()
+    agentic_q: AgenticQSettings = AgenticQSettings()
 
     @classmethod
     def settings_customise_sources(

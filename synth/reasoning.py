@@ -21,77 +21,32 @@ result), so each style's acceptance rate can be counted; each kept one is a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
-
-import polars as pl
+from typing import Any
 
 from trajforge.envs import actions
-from trajforge.llm import GatewayError, ImagePart, Sampling, load_prompt
+from trajforge.llm import ImagePart
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
 from trajforge.schemas.ids import short_id
-from trajforge.schemas.records import ReasoningChat, ReasoningSample, Step, steps_by_episode
-from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+from trajforge.schemas.records import ReasoningChat, ReasoningSample, Step
+from trajforge.schemas.stage import StageDef, StageOutput
+from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.chat import policy_messages
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
+from trajforge.synth.trusted import TrustedEpisode, load_trusted, trusted_action
+from trajforge.synth.trusted import history as past  # `history` names a step's past actions below
 
-PROMPTS = Path(__file__).parent / "prompts"
 ACT, HINTED, DISTILL = "reasoning_act", "reasoning_hinted", "reasoning_distill"
 
 
-@dataclass(frozen=True)
-class TrustedEpisode:
-    """An episode whose actions are trusted, with its steps in order."""
-
-    episode_id: str
-    query_id: str
-    instruction: str
-    viewport: str
-    trusted: Literal["reference", "accepted"]
-    steps: list[Step]
-
-
-@dataclass(frozen=True)
-class _Answer:
-    text: str
-    parsed: Any
-    error: str | None
-    model_id: str
-
-
-class _Reasoner:
-    """The model calls of one shard; a failed call is an answer with its error, never an exception."""
+class _Reasoner(Asker):
+    """The model calls of one shard, with the run and the settings the rows need."""
 
     def __init__(self, ws: Workspace, out: StageOutput, run_id: str) -> None:
-        self.ws, self.out, self.run_id, self.cfg = ws, out, run_id, ws.settings.synth
-        self.prompts = {name: load_prompt(name, PROMPTS)
-                        for name in (*(f"reasoning_{s}" for s in self.cfg.hint_styles), ACT, HINTED, DISTILL)}
-
-    def version(self, name: str) -> str:
-        self.out.prompts[name] = self.prompts[name].version
-        return f"{name}@{self.prompts[name].version}"
-
-    def ask(self, name: str, *, seed: int | None = None, json_schema: dict[str, Any] | None = None,
-            **variables: Any) -> _Answer:
-        prompt = self.prompts[name]
-        rendered = prompt.render(**variables)
-        base = rendered.sampling
-        sampling = None if seed is None else Sampling(temperature=base.temperature, top_p=base.top_p,
-                                                      max_tokens=base.max_tokens, seed=seed)
-        try:
-            result = self.ws.gateway.chat_sync(rendered, model=self.cfg.model, sampling=sampling,
-                                               schema=ToolCall if json_schema else None, json_schema=json_schema)
-        except GatewayError as exc:
-            return _Answer("", None, f"no answer: {exc.record.error}", exc.record.model_id)
-        self.out.models["reasoning"] = result.record.model_id
-        return _Answer(result.text, result.parsed, result.parse_error, result.record.model_id)
-
-
-def _trusted_action(step: Step) -> dict[str, Any]:
-    return {"type": step.action_type, **json.loads(step.action_json)}
+        self.run_id, self.cfg = run_id, ws.settings.synth
+        super().__init__(ws, out, (*(f"reasoning_{s}" for s in self.cfg.hint_styles), ACT, HINTED, DISTILL),
+                         model=self.cfg.model, role="reasoning")
 
 
 def _screen(step: Step) -> list[ImagePart]:
@@ -129,7 +84,7 @@ def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> S
     tag = ws.run_tag(run_id)
     for unit, index in _choose(units, cfg.reasoning_steps_per_shard):
         step = unit.steps[index]
-        history = [action_text(s) for s in unit.steps[:index]]
+        history = past(unit.steps, index)
         samples = (_distill(reasoner, unit, step) if step.roles_json
                    else _sample(reasoner, unit, step, history))
         out.stats["steps tried"] += 1
@@ -160,7 +115,7 @@ def reasoning_summary(stats: dict[str, int]) -> str | None:
     return f"{tried} trusted steps; accepted reasoning per hint style: {', '.join(shares) or 'none'}"
 
 
-def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, attempt: int, answer: _Answer,
+def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, attempt: int, answer: Answer,
          prompt: str, **result: Any) -> ReasoningSample:
     return ReasoningSample(
         run_id=reasoner.run_id, reasoning_id=short_id(reasoner.run_id, step.step_id, style, str(attempt)),
@@ -175,7 +130,7 @@ def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list
     cfg = reasoner.cfg
     space = actions.space_for(unit.viewport)
     screen = dict(platform=space, width=step.width, height=step.height, screenshots=_screen(step))
-    trusted = _trusted_action(step)
+    trusted = trusted_action(step)
     rows: list[ReasoningSample] = []
     for style in cfg.hint_styles:
         name = f"reasoning_{style}"
@@ -187,7 +142,7 @@ def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list
                                  hinted_with_answer=False, match_reason=f"no reasoning: {said.error or 'empty'}"))
                 continue
             act = reasoner.ask(ACT, reasoning=said.text.strip(), tools=tool_spec(space), function=FUNCTIONS[space],
-                               json_schema=call_schema(space, step.width, step.height), **screen)
+                               schema=ToolCall, json_schema=call_schema(space, step.width, step.height), **screen)
             predicted, why = None, act.error
             if act.parsed is not None:
                 try:
@@ -223,40 +178,6 @@ def _distill(reasoner: _Reasoner, unit: TrustedEpisode, step: Step) -> list[Reas
 
 
 # ---------------------------------------------------------------- the stage
-
-
-def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
-    """The episodes of the steps a run wrote whose actions are trusted: reference replays their checker
-    passed, and episodes the critics' latest verdict accepted; the others are counted by reason."""
-    steps, snapshot = ws.catalog.rows_added("steps", snapshot)
-    ids = steps["episode_id"].unique().to_list()
-    episodes = (ws.catalog.scan("episodes").filter(pl.col("episode_id").is_in(ids))
-                .unique("episode_id", keep="last").collect())
-    snapshots = {"steps": snapshot}
-    accepted: dict[str, bool] = {}
-    if "verdicts" in ws.catalog.tables():
-        _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
-        if verdicts_snapshot is not None:
-            snapshots["verdicts"] = verdicts_snapshot
-            verdicts = ws.catalog.load("verdicts", verdicts_snapshot).filter(pl.col("episode_id").is_in(ids))
-            accepted = dict(verdicts.group_by("episode_id", maintain_order=True).agg(pl.col("success").last())
-                            .iter_rows())
-    by_episode = steps_by_episode(steps.to_dicts())
-    inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
-    for e in episodes.to_dicts():
-        if e.get("source") == "reference":
-            trusted = "reference" if e.get("success") else None
-            why = "reference replay its checker did not pass"
-        else:
-            trusted = "accepted" if accepted.get(e["episode_id"]) else None
-            why = "policy episode not accepted by the critics" if e["episode_id"] in accepted else \
-                "policy episode not judged"
-        if trusted is None:
-            inputs.stats[f"not trusted: {why}"] += 1
-            continue
-        inputs.units.append(TrustedEpisode(e["episode_id"], e["query_id"], e["instruction"], e["viewport"], trusted,
-                                           by_episode.get(e["episode_id"], [])))
-    return inputs
 
 
 STAGE = StageDef[Workspace, TrustedEpisode](

@@ -1,0 +1,102 @@
+"""Step samples from trusted trajectories: the core the step-level datasets share.
+
+GUI-Owl's reasoning synthesis and the three companion papers (PAL-UI, CES, Agentic-Q) all
+cut a trajectory into independent step samples: the task, the state at step i, a
+compressed history of the steps before it, and a target action to imitate or score. The
+papers' ground truth is human demonstrations; ours are the trajectories whose actions we
+trust: reference replays their query's checker passed, and policy episodes the critics'
+latest verdict accepted. This module loads them once, in one shape, and holds the
+arithmetic the group-based datasets share (group-normalised advantages).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import polars as pl
+
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.ids import digest
+from trajforge.schemas.records import Step, steps_by_episode
+from trajforge.schemas.stage import Inputs
+from trajforge.synth.semantics import action_text
+
+
+@dataclass(frozen=True)
+class TrustedEpisode:
+    """An episode whose actions are trusted, with its steps in order and what vouches for it."""
+
+    episode_id: str
+    query_id: str
+    instruction: str
+    viewport: str
+    trusted: Literal["reference", "accepted"]
+    steps: list[Step]
+    checker: str = ""
+    """The query's checker and a hash of its parameters (`name@hash`): the version of the test that passed."""
+
+
+def trusted_action(step: Step) -> dict[str, Any]:
+    """The step's action as a flat action dict (`envs.actions`), the form `synth.match` compares."""
+    return {"type": step.action_type, **json.loads(step.action_json)}
+
+
+def history(steps: list[Step], index: int, window: int | None = None) -> list[str]:
+    """The actions before step `index` in words, oldest first; only the last `window` of them when given."""
+    start = 0 if window is None else max(0, index - window)
+    return [action_text(s) for s in steps[start:index]]
+
+
+def group_advantages(scores: list[float]) -> list[float]:
+    """GRPO's group-normalised advantage, (r - mean) / std (population std, CES eq. 5, Agentic-Q eq. 1); a group
+    whose scores are all equal teaches nothing and gets zeros rather than a division by zero."""
+    mean = statistics.fmean(scores)
+    std = statistics.pstdev(scores)
+    return [0.0 if std == 0 else (r - mean) / std for r in scores]
+
+
+def checker_versions(ws: Workspace, query_ids: list[str]) -> dict[str, str]:
+    """query id -> `checker@hash of its parameters` for the queries' latest rows."""
+    if "queries" not in ws.catalog.tables():
+        return {}
+    queries = (ws.catalog.scan("queries").filter(pl.col("query_id").is_in(query_ids))
+               .unique("query_id", keep="last").select("query_id", "checker", "checker_params_json").collect())
+    return {q: f"{c}@{digest(p, 8)}" for q, c, p in queries.iter_rows()}
+
+
+def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
+    """The episodes of the steps a run wrote whose actions are trusted: reference replays their checker
+    passed, and episodes the critics' latest verdict accepted; the others are counted by reason."""
+    steps, snapshot = ws.catalog.rows_added("steps", snapshot)
+    ids = steps["episode_id"].unique().to_list()
+    episodes = (ws.catalog.scan("episodes").filter(pl.col("episode_id").is_in(ids))
+                .unique("episode_id", keep="last").collect())
+    snapshots = {"steps": snapshot}
+    accepted: dict[str, bool] = {}
+    if "verdicts" in ws.catalog.tables():
+        _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
+        if verdicts_snapshot is not None:
+            snapshots["verdicts"] = verdicts_snapshot
+            verdicts = ws.catalog.load("verdicts", verdicts_snapshot).filter(pl.col("episode_id").is_in(ids))
+            accepted = dict(verdicts.group_by("episode_id", maintain_order=True).agg(pl.col("success").last())
+                            .iter_rows())
+    by_episode = steps_by_episode(steps.to_dicts())
+    checkers = checker_versions(ws, episodes["query_id"].unique().to_list())
+    inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
+    for e in episodes.to_dicts():
+        if e.get("source") == "reference":
+            trusted = "reference" if e.get("success") else None
+            why = "reference replay its checker did not pass"
+        else:
+            trusted = "accepted" if accepted.get(e["episode_id"]) else None
+            why = "policy episode not accepted by the critics" if e["episode_id"] in accepted else \
+                "policy episode not judged"
+        if trusted is None:
+            inputs.stats[f"not trusted: {why}"] += 1
+            continue
+        inputs.units.append(TrustedEpisode(e["episode_id"], e["query_id"], e["instruction"], e["viewport"], trusted,
+                                           by_episode.get(e["episode_id"], []), checkers.get(e["query_id"], "")))
+    return inputs
