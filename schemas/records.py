@@ -556,10 +556,79 @@ class ReasoningChat(ChatSample):
     hinted_with_answer: bool
 
 
+class QValueSample(Record):
+    """One step of an attempt as an agentic-Q training sample (Agentic-Q 2, 3.3): the windowed state, the action,
+    and the return G_i = r_T (gamma = 1, no reward before the last step), the attempt's outcome."""
+
+    table: ClassVar[str] = "agentic_q_values"
+    key: ClassVar[str] = "value_id"
+
+    value_id: str
+    query_id: str
+    episode_id: str
+    step_id: str
+    step_index: int = Field(ge=0)
+    instruction: str
+    history: list[str] = Field(description="The last agentic_q.window actions before the step, in words, oldest first "
+                               "(the sliding window; thoughts are not part of the state).")
+    screenshot: str = Field(description="sha256 of the screenshot the action was taken on.")
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    url: str
+    state_key: str = Field(description="Hash of the screen (URL and accessibility tree) and the window: steps of "
+                           "different attempts with one key are one state.")
+    action_type: str
+    action_json: str
+    target_box: list[float] | None = None
+    thought: str = Field(description="The policy's thought, kept for reference only: action-focus masks it out of "
+                         "what the value is learned from.")
+    value: float = Field(ge=0, le=1, description="G_i: 1 if the attempt succeeded, else 0.")
+    level: int = Field(ge=0, description="l: successes out of the query's n attempts.")
+    attempts: int = Field(gt=0, description="n: the attempts the level counts.")
+    checker: str = Field(description="The query's checker and a hash of its parameters.")
+    model_id: str = Field(description="The policy model that acted.")
+
+    _json = field_validator("action_json")(_check_json)
+
+
+class QGroup(Record):
+    """K candidate actions sampled for one state, scored, with the SWPO filters' verdict (Agentic-Q 3.4)."""
+
+    table: ClassVar[str] = "agentic_q_groups"
+    key: ClassVar[str] = "group_id"
+
+    group_id: str
+    query_id: str
+    state_key: str
+    step_id: str = Field(description="A recorded step at this state (its screenshot and window are the state).")
+    instruction: str
+    history: list[str]
+    screenshot: str
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    level: int = Field(ge=0)
+    candidates_json: str = Field(description="[{raw_output, action, error, score, matched}] for each of the K "
+                                 "candidates, in sample order (seed = position).")
+    scores: list[float] = Field(description="g_i of each candidate.")
+    advantages: list[float] = Field(description="(g_i - mean g) / std g; zeros for a dropped group.")
+    mean_score: float
+    weight: float | None = Field(description="u(s) = mean(g)^-1 / sum over the night's kept groups of mean(g)^-1; "
+                                 "None for a dropped group.")
+    kept: bool
+    drop_reason: str | None = None
+    observed: int = Field(ge=1, description="Recorded steps at this state the scores are estimated from.")
+    scorer: str = Field(description="What scored the candidates: 'monte_carlo' (the mean return of the recorded "
+                        "steps at this state whose action matches the candidate).")
+    model_id: str
+    prompt_version: str
+
+    _json = field_validator("candidates_json")(_check_json)
+
+
 RECORDS: dict[str, type[Record]] = {
     m.table: m
     for m in (Query, Page, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep,
               GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat,
               ReasoningSample, ReasoningChat, ManagerChat, WorkerChat, ReflectorChat,
-              NotetakerChat)
+              NotetakerChat, QValueSample, QGroup)
 }

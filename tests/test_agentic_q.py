@@ -1,0 +1,185 @@
+"""Agentic-Q's step values and SWPO groups on a hand-made warehouse of judged attempts.
+
+The attempts are written as rows (the queries, episodes, steps and verdicts a night would
+have written), so each level, filter and score is known in advance; the policy model that
+samples the candidates is an endpoint scripted at the edge.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from test_llm_failures import ScriptedServer
+
+from trajforge.data.catalog import Lineage
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import Settings
+from trajforge.schemas.records import Episode, Query, Step, Verdict
+from trajforge.synth import agentic_q
+from trajforge.synth.trusted import group_advantages
+from trajforge.tasks.runner import run_inline
+
+A = {"type": "click", "x": 50, "y": 50}  # inside the box of button A, the successful attempts' first action
+B = {"type": "click", "x": 150, "y": 150}  # inside button B's box: the failed attempts' first action
+TREE = "button 'A' (40,40,20,20)\nbutton 'B' (140,140,20,20)"
+
+
+def test_group_weights_and_advantages_on_hand_worked_numbers():
+    # u(s) = mean(g)^-1 / sum mean(g')^-1: means 0.5 and 0.25 -> 2 and 4 -> 1/3 and 2/3 (the harder state weighs more)
+    assert agentic_q.group_weights([0.5, 0.25]) == pytest.approx([1 / 3, 2 / 3])
+    # (g - mean) / std with the population std: mean 0.5, std 0.5
+    assert group_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1.0, -1.0, -1.0, 1.0])
+    assert group_advantages([0.3, 0.3]) == [0.0, 0.0]
+
+
+def test_a_group_of_equal_actions_or_concentrated_scores_is_dropped():
+    assert agentic_q.group_filter(["a", "a", "a"], [0.0, 1.0, 0.5], 0.05) == "identical actions"
+    assert agentic_q.group_filter(["a", "b", "c"], [0.5, 0.5, 0.52], 0.05) == "concentrated scores (std < 0.05)"
+    assert agentic_q.group_filter(["a", "b", "c"], [1.0, 0.0, 0.5], 0.05) is None
+
+
+class Policy(ScriptedServer):
+    """The policy model: the k-th sample (its seed) clicks A, A, B, then an empty corner (or A every time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = False
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append({"body": body})
+        seed = body.get("seed") or 0
+        point = [50, 50] if self.same else [[50, 50], [52, 48], [150, 150], [300, 300]][seed % 4]
+        call = {"name": "mobile_use", "arguments": {"action": "click", "coordinate": point}}
+        text = f"<thinking>look</thinking>\n<conclusion>tap</conclusion>\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+
+
+@pytest.fixture(scope="module")
+def policy():
+    with Policy() as server:
+        yield server
+
+
+def workspace(root: Path, url: str, **agentic: Any) -> Workspace:
+    return Workspace.open(Settings(
+        warehouse={"path": root / "wh"},
+        llm={"endpoints": {"m": {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10}},
+             "default": "m", "reask": 0, "cache": False},
+        agentic_q={"attempts": 4, "candidates": 4, "groups": 1} | agentic,
+    ))
+
+
+def _lineage(key: str) -> Lineage:
+    return Lineage(stage="test", run_id="made", commit_key=key, config_hash="x", code_version="x")
+
+
+def _write_night(ws: Workspace) -> int:
+    """Four queries: `mid` 2 of 4 attempts succeeded (and one more attempt was an environment fault), `zero` none,
+    `all` every one, `few` only 2 attempts. Each attempt: the first step on one screen, then a terminate."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
+    png = ws.blobs.put(buffer.getvalue()).sha256
+    now = datetime(2026, 11, 25, tzinfo=UTC)
+    queries: list[Query] = []
+    episodes: list[Episode] = []
+    steps: list[Step] = []
+    verdicts: list[Verdict] = []
+    plan = {"mid": [True, False, True, False], "zero": [False] * 4, "all": [True] * 4, "few": [True, False]}
+    for query, outcomes in plan.items():
+        queries.append(Query(run_id="made", query_id=query, app="notes", source="page_graph", instruction=f"do {query}",
+                            path=["home"], slots_json="{}", checker="state_has", checker_params_json="{}",
+                            max_steps=5, generator="test", created_at=now))
+        for n, success in enumerate(outcomes + ([None] if query == "mid" else [])):
+            episode = f"{query}-{n}"
+            episodes.append(Episode(run_id="made", episode_id=episode, query_id=query, app="notes",
+                                 instruction=f"do {query}", policy="gui_owl_e2e", model_id="scripted",
+                                 prompt_version="gui_owl_e2e@2", viewport="mobile",
+                                 status="env_fault" if success is None else "terminated", num_steps=2,
+                                 final_url="http://app/", final_state_json="{}",
+                                 started_at=now.replace(minute=n), finished_at=now.replace(minute=n)))
+            if success is None:
+                continue
+            verdicts.append(Verdict(run_id="made", verdict_id=f"v-{episode}", episode_id=episode, query_id=query,
+                                 success=success, consensus="checker_first", channels_json="{}", reason="test",
+                                 config_hash="x"))
+            first = A if success else B
+            for i, action in enumerate([first, {"type": "terminate", "status": "success"}]):
+                steps.append(Step(
+                    run_id="made", step_id=f"{episode}-{i}", episode_id=episode, step_index=i,
+                    screenshot_before=png, screenshot_after=png, width=390, height=844,
+                    url_before=f"http://app/{i}", url_after="http://app/1", title_before="t", title_after="t",
+                    ax_tree_before=TREE, action_type=action["type"],
+                    action_json=json.dumps({k: v for k, v in action.items() if k != "type"}), action_valid=True,
+                    target_role="button" if i == 0 else None, target_name=("A" if success else "B") if i == 0 else None,
+                    target_box=([40, 40, 20, 20] if success else [140, 140, 20, 20]) if i == 0 else None,
+                    thought="I tap it", raw_output="", duration_ms=1.0))
+    for table, rows in (("queries", queries), ("episodes", episodes), ("verdicts", verdicts)):
+        ws.catalog.commit_rows(table, rows, _lineage(table))
+    return ws.catalog.commit_rows("steps", steps, _lineage("steps"))
+
+
+@pytest.fixture(scope="module")
+def night(tmp_path_factory, policy):
+    root = tmp_path_factory.mktemp("agentic_q")
+    ws = workspace(root, policy.url)
+    return root, _write_night(ws)
+
+
+def test_levels_step_values_and_one_scored_group(night, policy):
+    root, steps = night
+    ws = workspace(root, policy.url)
+    out = run_inline(agentic_q.STAGE, ws, ws.ledger.open_run("test", "q").run_id, steps)
+    values = ws.catalog.load("agentic_q_values", out["agentic_q_values"]).to_dicts()
+    # Only `mid` is informative: its 4 judged attempts (the environment fault is not one), 2 steps each.
+    assert {v["query_id"] for v in values} == {"mid"} and len(values) == 8
+    assert {v["level"] for v in values} == {2} and {v["attempts"] for v in values} == {4}
+    # G_i = r_T: every step of a successful attempt is 1, every step of a failed one 0.
+    assert all(v["value"] == (1.0 if int(v["episode_id"][-1]) % 2 == 0 else 0.0) for v in values)
+    assert len({v["state_key"] for v in values if v["step_index"] == 0}) == 1  # one screen, one state
+    assert all(v["history"] == [] for v in values if v["step_index"] == 0)
+    assert all(len(v["history"]) == 1 and v["history"][0].startswith("click") for v in values if v["step_index"] == 1)
+    assert all(v["checker"].startswith("state_has@") for v in values)
+
+    [group] = ws.catalog.load("agentic_q_groups", out["agentic_q_groups"]).to_dicts()
+    # The first screen: seen in all 4 attempts, A twice (return 1), B twice (0). Candidates A, A (4 px off, still
+    # inside A's box), B and an empty corner: scores 1, 1, 0 and V(s) = 0.5.
+    assert group["scores"] == [1.0, 1.0, 0.0, 0.5] and group["observed"] == 4 and group["kept"]
+    assert group["advantages"] == pytest.approx(group_advantages([1.0, 1.0, 0.0, 0.5]))
+    assert group["weight"] == pytest.approx(1.0)  # the only kept group of the night
+    assert [c["matched"] for c in json.loads(group["candidates_json"])] == [2, 2, 2, 0]
+
+    lineage = ws.catalog.lineage("agentic_q_groups", out["agentic_q_groups"])
+    assert lineage.dropped == {"level 0 of 4: every attempt failed": 1, "level 4 of 4: every attempt succeeded": 1}
+    assert lineage.stats["level 2 of 4"] == 1 and lineage.stats["q samples with G = 1"] == 4
+    assert lineage.stats["environment fault: rerun by the rollout, not counted as a failure"] == 1
+    assert lineage.stats["fewer than 4 judged attempts: left for a later night"] == 1
+    assert set(lineage.prompts) == {"gui_owl_e2e"} and lineage.models == {"agentic_q": "scripted"}
+    line = agentic_q.agentic_q_summary(lineage.stats)
+    # steps per success: over every query's successful attempts (mid 2, all 4, each 2 steps), dropped levels too
+    assert line == ("levels (of 4) 0: 1, 2: 1, 4: 1; 8 step values, 50% with G = 1; 2.0 steps per successful "
+                    "trajectory; 1 candidate groups, dropped: none")
+
+
+def test_a_group_whose_candidates_all_agree_is_dropped_and_weighs_nothing(night, policy):
+    root, steps = night
+    ws = workspace(root, policy.url)
+    policy.same = True
+    try:
+        out = agentic_q.estimate(agentic_q.load_attempts(ws, steps).units, ws, "same", "")
+    finally:
+        policy.same = False
+    [group] = out.rows["agentic_q_groups"]
+    assert not group.kept and group.drop_reason == "identical actions" and group.weight is None
+    assert group.advantages == [0.0] * 4
+    assert out.dropped["group dropped: identical actions"] == 1
