@@ -25,6 +25,7 @@ NIGHTLY: tuple[str, ...] = (
     "trajforge.synth.semantics",  # every valid step: the action from before/after, and described
     "trajforge.synth.reasoning",  # trusted steps: sampled reasonings kept when their action matches; distilled roles
     "trajforge.synth.planning",  # manuals per app and task family (measured), plans checked against page graphs
+    "trajforge.synth.agentic_q",  # each query's last n judged attempts: levels, step values, SWPO candidate groups
 )
 
 

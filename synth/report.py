@@ -17,6 +17,7 @@ from trajforge.data.catalog import CatalogError, Lineage
 from trajforge.guidance.history import hardness
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import policy_summary
+from trajforge.synth import agentic_q
 from trajforge.synth.export import ROLE_TABLES
 
 ROLE_TABLE_NAMES = {t.table for t in ROLE_TABLES.values()}
@@ -92,7 +93,8 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
                           ("train_reflector", "outcome"), ("train_notetaker", None), ("grounding", "kind"),
                           ("train_grounding", None), ("action_semantics", "tier"), ("train_semantics", None),
                           ("reasoning_samples", "hint_style"), ("train_reasoning", "hint_style"),
-                          ("manuals", "app"), ("plans", "app"), ("train_planning", None)):
+                          ("manuals", "app"), ("plans", "app"), ("train_planning", None),
+                          ("agentic_q_values", "level"), ("agentic_q_groups", "kept")):
         rows = _this_run(ws, table, run_id)
         if rows is None:
             lines.append(f"| {table} | - | table not written yet |")
@@ -192,6 +194,21 @@ def render_reasoning(ws: Workspace, run_id: str) -> list[str]:
     return lines + [""]
 
 
+STEP_DATASETS = (agentic_q.STAGE,)
+"""The companion papers' stages whose summary line (the figures each paper's data is judged by) the report shows."""
+
+
+def render_step_datasets(ws: Workspace, run_id: str) -> list[str]:
+    """Each companion paper's stage this run: its summary line, from the lineage of the first table it wrote."""
+    lines = []
+    for stage in STEP_DATASETS:
+        lineage = _lineage_of_run(ws, next(iter(stage.writes)), run_id)
+        line = stage.summary(lineage.stats) if lineage is not None and stage.summary else None
+        if line:
+            lines.append(f"- {stage.name}: {line}.")
+    return ["## Step-level datasets (companion papers)", "", *lines, ""] if lines else []
+
+
 def render_iterations(history: pl.DataFrame) -> list[str]:
     """The loop's iterations side by side: each policy model's attempts and success rate over every night."""
     if history.height == 0:
@@ -224,5 +241,6 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
                            hard_before=hard_before)
     path.write_text(report + "\n" + "\n".join(
         render_policy(ws, run_id) + render_yield(ws, run_id) + render_filters(ws, run_id)
-        + render_calibration(ws, run_id) + render_reasoning(ws, run_id) + render_iterations(history)))
+        + render_calibration(ws, run_id) + render_reasoning(ws, run_id) + render_step_datasets(ws, run_id)
+        + render_iterations(history)))
     return path
