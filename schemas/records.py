@@ -625,10 +625,65 @@ class QGroup(Record):
     _json = field_validator("candidates_json")(_check_json)
 
 
+class PalUITeacher(Record):
+    """One PAL-UI teacher pass over a trusted step (pal-ui-active-lookback.md 4.1, 4.3): the dual-level memory of
+    the earlier steps, the four-stage deliberation, the optional look-back, and the action checked against the
+    trusted one. Rejected passes are rows too (kept false, with why), so the acceptance rate is countable."""
+
+    table: ClassVar[str] = "pal_ui_teacher"
+    key: ClassVar[str] = "sample_id"
+
+    sample_id: str
+    step_id: str
+    episode_id: str
+    query_id: str
+    step_index: int = Field(ge=0, description="i: the step's position in its episode.")
+    trusted: Literal["reference", "accepted"]
+    checker: str = Field(description="The query's checker and a hash of its parameters (`name@hash`).")
+    instruction: str
+    viewport: str
+    screenshot: str = Field(description="sha256 of o_i, the screenshot the action was taken on.")
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    memory_json: str = Field(description="m_i: [{step_index, action, caption, caption_error, caption_model, "
+                             "caption_prompt, validation, validation_error, validation_model, validation_prompt, "
+                             "screenshot, width, height}] for each earlier step j < i, oldest first.")
+    teacher_raw_output: str = Field(description="The deliberation call's answer as given ('' when not asked).")
+    deliberation_json: str | None = Field(
+        default=None, description="The parsed deliberation {history_revision, candidates, confidence, retrieve}; "
+        "None: not asked or did not parse.")
+    act_raw_output: str | None = Field(default=None, description="The action call's answer; None: not asked.")
+    retrieved_step: int | None = Field(default=None, description="j, the step the teacher looked back at; None: none.")
+    retrieved_screenshot: str | None = Field(default=None, description="sha256 of o_j.")
+    distance: int | None = Field(default=None, description="i - j; None without a look-back.")
+    predicted_action_json: str | None = None
+    trusted_action_json: str
+    matched: bool | None = Field(default=None, description="synth.match of predicted and trusted; None: not checked.")
+    match_reason: str
+    kept: bool
+    model_id: str
+    prompt_version: str = Field(description="`name@version` of the deliberation and action prompts asked.")
+
+    _json = field_validator("memory_json", "trusted_action_json")(_check_json)
+
+
+class PalUIChat(ChatSample):
+    """A kept PAL-UI teacher pass as a chat sample: memory and screen in, `<think>` and `<tool_use>` out; a
+    look-back sample calls `retrieve`, is shown o_j, then acts."""
+
+    table: ClassVar[str] = "pal_ui_sft"
+
+    step_id: str
+    episode_id: str
+    weight: float = Field(gt=0, description="1 + pal_ui.distance_weight * (distance - 1) for a look-back, else 1.")
+    retrieved_step: int | None = Field(default=None, description="j; None: no look-back.")
+    distance: int | None = Field(default=None, description="i - j; None: no look-back.")
+
+
 RECORDS: dict[str, type[Record]] = {
     m.table: m
     for m in (Query, Page, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep,
               GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat,
               ReasoningSample, ReasoningChat, ManagerChat, WorkerChat, ReflectorChat,
-              NotetakerChat, QValueSample, QGroup)
+              NotetakerChat, QValueSample, QGroup, PalUITeacher, PalUIChat)
 }

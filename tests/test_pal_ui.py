@@ -1,0 +1,318 @@
+"""PAL-UI's teacher passes and training table on one recorded run of the notes app.
+
+One module-scoped warehouse: the notes app's queries and their reference demonstrations
+(real browser, real app), as in test_synth; the teacher is an OpenAI-compatible endpoint
+scripted at the edge, whose answers depend on the prompt, as a real model's do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from test_llm_failures import ScriptedServer
+
+from trajforge.guidance.reference import STAGE as REFERENCE
+from trajforge.llm.workspace import Workspace
+from trajforge.query_gen.stage import STAGE as QUERY_GEN
+from trajforge.rollout.gui_owl import to_call
+from trajforge.schemas.config import Settings
+from trajforge.schemas.ids import digest
+from trajforge.schemas.records import PalUITeacher
+from trajforge.synth import pal_ui, pal_ui_sft
+from trajforge.synth.trusted import load_trusted
+from trajforge.tasks.runner import run_inline
+
+pytestmark = pytest.mark.browser
+
+CAPTION = "The notes list, with a New note button."
+VALIDATION = "The tap opened the next page, so it worked."
+
+
+class TeacherServer(ScriptedServer):
+    """An OpenAI-compatible teacher: captions, validations, a deliberation asking for `retrieve`, and the
+    demonstrated action (or a wrong one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.truth: dict[tuple[str, int, int], dict[str, Any]] = {}  # (task, width, step) -> the demonstrated action
+        self.retrieve: int | str | None = 0  # the step to look back at; "current": the step itself (out of range)
+        self.wrong = False  # the action call gives up instead of giving the demonstrated action
+        self.blank = False  # captions come back empty
+        self.asked: list[tuple[str, int]] = []  # (which prompt, images sent) per request
+
+    def answer(self, system: str, user: str) -> tuple[str, str]:
+        if "You caption a screenshot" in system:
+            return "caption", "" if self.blank else CAPTION
+        if "You check one action" in system:
+            return "validate", VALIDATION
+        step = int(re.search(r"^Current step: (\d+)", user, re.MULTILINE).group(1))
+        if "You plan the next step" in system:
+            return "teacher", json.dumps({
+                "history_revision": "The memory shows the list was opened.", "candidates": ["tap the note", "go back"],
+                "confidence": "Unsure which note the task means.",
+                "retrieve": step if self.retrieve == "current" else self.retrieve})
+        if "Read the memory and the deliberation" in system:
+            task = re.search(r"^Task: (.*)$", user, re.MULTILINE).group(1)
+            width = int(re.search(r"screen of (\d+)x", system).group(1))
+            action = {"type": "terminate", "status": "failure"} if self.wrong else self.truth[(task, width, step)]
+            return "act", json.dumps(to_call(action, re.search(r'"name": "(\w+)"', system).group(1)))
+        raise AssertionError(f"unexpected prompt: {system[:80]}")
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append({"body": body})
+
+        def parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+            content = message["content"]
+            return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+        def text(message: dict[str, Any]) -> str:
+            return " ".join(p["text"] for p in parts(message) if p["type"] == "text")
+
+        name, reply = self.answer(text(body["messages"][0]), text(body["messages"][-1]))
+        self.asked.append((name, sum(p["type"] == "image_url" for m in body["messages"] for p in parts(m))))
+        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+
+
+@pytest.fixture(scope="module")
+def model():
+    with TeacherServer() as server:
+        yield server
+
+
+def workspace(root: Path, url: str, *, cache: bool = True, **pal: Any) -> Workspace:
+    return Workspace.open(Settings(
+        warehouse={"path": root / "wh"},
+        query_gen={"apps": ["notes"], "num_queries": 2, "atomic_per_app": 1, "deep_search_apps": []},
+        rollout={"policy": "replay", "contexts": 2},
+        llm={"endpoints": {"m": {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10,
+                                   "vision": True}},
+             "default": "m", "reask": 0, "cache": cache},
+        pal_ui={"steps_per_shard": 3} | pal,
+    ))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, chromium, model):
+    """A run's reference demonstrations of the notes app, the run id, and the demonstrated actions."""
+    root = tmp_path_factory.mktemp("pal_ui")
+    ws = workspace(root, model.url)
+    run = ws.ledger.open_run("test", "pal_ui").run_id
+    queries = run_inline(QUERY_GEN, ws, run)["queries"]
+    snapshots = run_inline(REFERENCE, ws, run, queries)
+    steps = ws.catalog.rows_added("steps", snapshots["steps"])[0]
+    episodes = {e["episode_id"]: e["instruction"] for e in ws.catalog.load("episodes").to_dicts()}
+    model.truth = {(episodes[s["episode_id"]], s["width"], s["step_index"]):
+                   {"type": s["action_type"], **json.loads(s["action_json"])} for s in steps.to_dicts()}
+    return root, snapshots
+
+
+@pytest.fixture(scope="module")
+def looked_back(recorded, model):
+    """The teacher stage, then the sft stage, with a teacher that looks back at step 0 and acts right."""
+    root, snapshots = recorded
+    ws = workspace(root, model.url, min_step=2)  # look back two steps or more: weights above 1
+    run = ws.ledger.open_run("test", "looked-back").run_id
+    model.retrieve, model.wrong, model.asked = 0, False, []
+    teacher = run_inline(pal_ui.STAGE, ws, run, snapshots["steps"])
+    asked = list(model.asked)
+    sft = run_inline(pal_ui_sft.STAGE, ws, run, teacher["pal_ui_teacher"])
+    return ws, teacher, sft, asked
+
+
+def fresh(recorded, model, name: str, **pal: Any) -> tuple[Workspace, str, list[Any]]:
+    """An uncached workspace (the cache would answer with an earlier test's answers), a new run, the trusted units."""
+    root, snapshots = recorded
+    ws = workspace(root, model.url, cache=False, **pal)
+    return ws, ws.ledger.open_run("test", name).run_id, load_trusted(ws, snapshots["steps"]).units
+
+
+def test_a_teacher_that_looks_back_and_gives_the_trusted_action_is_kept_with_its_distance(looked_back):
+    ws, teacher, _, asked = looked_back
+    rows = ws.catalog.rows_added("pal_ui_teacher", teacher["pal_ui_teacher"])[0].to_dicts()
+    assert len(rows) == 3 and all(r["step_index"] >= 2 for r in rows)
+    assert len({r["episode_id"] for r in rows}) >= 2  # spread over the episodes
+    for r in rows:
+        assert r["kept"] and r["matched"] and r["retrieved_step"] == 0 and r["distance"] == r["step_index"]
+        assert r["trusted"] == "reference" and r["checker"] and r["model_id"] == "scripted"
+        assert r["prompt_version"] == "pal_ui_teacher@1,pal_ui_act@1"
+        assert json.loads(r["predicted_action_json"]) == json.loads(r["trusted_action_json"])
+        assert json.loads(r["deliberation_json"])["retrieve"] == 0
+        memory = json.loads(r["memory_json"])
+        assert [m["step_index"] for m in memory] == list(range(r["step_index"]))
+        assert {(m["caption"], m["validation"], m["caption_model"], m["caption_prompt"], m["validation_prompt"])
+                for m in memory} == {(CAPTION, VALIDATION, "scripted", "pal_ui_caption@1", "pal_ui_validate@1")}
+        assert r["retrieved_screenshot"] == memory[0]["screenshot"]
+    # one caption and one validation per earlier step; the action call saw o_i and o_j
+    memos = sum(r["step_index"] for r in rows)
+    shared = len({(r["episode_id"], j) for r in rows for j in range(r["step_index"])})
+    assert sum(n == "caption" for n, _ in asked) == shared <= memos
+    assert [images for n, images in asked if n == "act"] == [2, 2, 2]
+    assert [images for n, images in asked if n == "validate"] == [2] * shared
+    lineage = ws.catalog.lineage("pal_ui_teacher", teacher["pal_ui_teacher"])
+    assert lineage.prompts == {"pal_ui_caption": "1", "pal_ui_validate": "1", "pal_ui_teacher": "1", "pal_ui_act": "1"}
+    assert lineage.stats["passes kept that looked back"] == 3 and not lineage.dropped
+    assert pal_ui.pal_ui_summary(lineage.stats).startswith("3 trusted steps given a teacher pass; 3 matched")
+
+
+def test_a_look_back_row_calls_retrieve_is_shown_that_screen_then_acts(looked_back):
+    ws, teacher, sft, _ = looked_back
+    passes = {r["sample_id"]: r for r in ws.catalog.rows_added("pal_ui_teacher", teacher["pal_ui_teacher"])[0].to_dicts()}
+    chats = ws.catalog.rows_added("pal_ui_sft", sft["pal_ui_sft"])[0].to_dicts()
+    assert len(chats) == 3
+    for chat in chats:
+        source = passes[chat["source_id"]]
+        assert (chat["retrieved_step"], chat["distance"]) == (0, source["distance"])
+        assert chat["weight"] == pytest.approx(1 + 0.5 * (source["distance"] - 1))
+        messages = json.loads(chat["messages_json"])
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+        system = messages[0]["content"][0]["text"]
+        assert '"name": "retrieve"' in system and ('"name": "computer_use"' in system or '"name": "mobile_use"' in system)
+        ask = messages[2]["content"][0]["text"]
+        assert ask.startswith("<think>The memory shows the list was opened. Possible next actions: tap the note; go back.")
+        assert ask.endswith('<tool_use>{"name": "retrieve", "arguments": {"step": 0}}</tool_use>')
+        assert messages[3]["content"][0] == {"type": "image"}
+        assert f"Step 0. Screen: {CAPTION} Action: {VALIDATION}" in messages[1]["content"][-1]["text"]
+        call = json.loads(messages[4]["content"][0]["text"].split("<tool_use>")[1].removesuffix("</tool_use>"))
+        trusted = json.loads(source["trusted_action_json"])
+        assert call["arguments"]["action"] == trusted["type"]
+        parts = [p for m in messages for p in m["content"] if p["type"] == "image"]
+        assert len(parts) == len(chat["images"]) == 2
+        assert chat["images"] == [ws.blobs.get(source["screenshot"]), ws.blobs.get(source["retrieved_screenshot"])]
+    lineage = ws.catalog.lineage("pal_ui_sft", sft["pal_ui_sft"])
+    assert lineage.prompts == {"pal_ui_policy": "1"}
+    assert lineage.stats["could not balance: no direct samples, the rest kept whole"] == 1
+    assert lineage.stats["teacher passes"] == lineage.stats["teacher passes kept"] == 3
+    # step 1 looking back at step 0 sees both screens either way: only the hand-made longer memory below saves tokens
+    assert lineage.stats["prompt tokens with all screenshots"] > 0 and lineage.stats["prompt tokens with memory"] > 0
+    line = pal_ui_sft.STAGE.summary(lineage.stats)
+    assert line.startswith("teacher matched 3/3 (100%); 3 rows, 3 with a look-back (100%)") and "with memory vs" in line
+
+
+def test_a_teacher_whose_action_is_wrong_is_rejected_with_the_match_reason(recorded, model):
+    ws, run, _ = fresh(recorded, model, "wrong")
+    model.retrieve, model.wrong = None, True
+    try:
+        teacher = run_inline(pal_ui.STAGE, ws, run, recorded[1]["steps"])
+    finally:
+        model.retrieve, model.wrong = 0, False
+    rows = ws.catalog.rows_added("pal_ui_teacher", teacher["pal_ui_teacher"])[0].to_dicts()
+    assert len(rows) == 3
+    for r in rows:
+        assert not r["kept"] and r["matched"] is False and r["retrieved_step"] is None and r["distance"] is None
+        assert r["match_reason"].startswith("type 'terminate' is not")
+        assert json.loads(r["predicted_action_json"]) == {"type": "terminate", "status": "failure"}
+        assert r["act_raw_output"] and r["teacher_raw_output"]
+    lineage = ws.catalog.lineage("pal_ui_teacher", teacher["pal_ui_teacher"])
+    assert lineage.dropped == {"teacher pass rejected: action does not match (type)": 3}
+    sft = run_inline(pal_ui_sft.STAGE, ws, run, teacher["pal_ui_teacher"])
+    assert ws.catalog.rows_added("pal_ui_sft", sft["pal_ui_sft"])[0].height == 0
+    stats = ws.catalog.lineage("pal_ui_sft", sft["pal_ui_sft"]).stats
+    assert stats["teacher pass not kept: action does not match (type)"] == 3 and stats["teacher passes"] == 3
+    assert pal_ui_sft.pal_ui_sft_summary(stats).startswith("teacher matched 0/3 (0%); 0 rows")
+
+
+def test_a_retrieve_index_past_the_earlier_steps_is_rejected_not_guessed(recorded, model):
+    ws, run, units = fresh(recorded, model, "out-of-range", steps_per_shard=1)
+    model.retrieve, model.asked = "current", []
+    try:
+        out = pal_ui.teach(units, ws, run, "")
+    finally:
+        model.retrieve = 0
+    [row] = out.rows["pal_ui_teacher"]
+    i = row.step_index
+    assert not row.kept and row.matched is None and row.retrieved_step is None and row.act_raw_output is None
+    assert row.match_reason == (f"retrieve index out of range: step {i} asked for at step {i}, which can look back "
+                                f"at 0 to {i - 1}")
+    assert json.loads(row.deliberation_json)["retrieve"] == i
+    assert "act" not in [n for n, _ in model.asked]
+    assert out.dropped == {"teacher pass rejected: retrieve index out of range": 1}
+
+
+def test_a_step_whose_memory_is_incomplete_asks_no_teacher_and_says_which_part(recorded, model):
+    ws, run, units = fresh(recorded, model, "blank", steps_per_shard=1)
+    model.blank, model.asked = True, []
+    try:
+        out = pal_ui.teach(units, ws, run, "")
+    finally:
+        model.blank = False
+    [row] = out.rows["pal_ui_teacher"]
+    assert not row.kept and row.match_reason == "memory incomplete: the caption of step 0: empty answer"
+    assert json.loads(row.memory_json)[0]["caption_error"] == "empty answer"
+    assert {n for n, _ in model.asked} == {"caption", "validate"}
+    assert out.dropped == {"teacher pass rejected: memory incomplete": 1}
+
+
+def hand_made(recorded, model, retrieved: list[int | None]) -> tuple[Workspace, list[PalUITeacher]]:
+    """Kept passes at step 4 of a made-up episode, looking back at the given steps (None: no look-back), on real
+    screenshots."""
+    root, snapshots = recorded
+    ws = workspace(root, model.url, cache=False)
+    steps = ws.catalog.rows_added("steps", snapshots["steps"])[0].sort("step_id").to_dicts()[:4]
+    memory = [{"step_index": j, "action": "click", "caption": CAPTION, "validation": VALIDATION, "caption_error": None,
+               "caption_model": "scripted", "caption_prompt": "pal_ui_caption@1", "validation_error": None,
+               "validation_model": "scripted", "validation_prompt": "pal_ui_validate@1",
+               "screenshot": s["screenshot_before"], "width": s["width"], "height": s["height"]}
+              for j, s in enumerate(steps)]
+    plan = pal_ui.Deliberation(history_revision="Half done.", candidates=["tap Save"], confidence="Sure.", retrieve=None)
+    rows = []
+    for n, j in enumerate(retrieved):
+        rows.append(PalUITeacher(
+            run_id="r", sample_id=f"s{n}", step_id=f"step{n}", episode_id="e", query_id="q", step_index=4,
+            trusted="reference", checker="c@1", instruction="Save the note", viewport="mobile",
+            screenshot=steps[0]["screenshot_before"], width=steps[0]["width"], height=steps[0]["height"],
+            memory_json=json.dumps(memory), teacher_raw_output="{}",
+            deliberation_json=plan.model_copy(update={"retrieve": j}).model_dump_json(), act_raw_output="{}",
+            retrieved_step=j, retrieved_screenshot=None if j is None else steps[j]["screenshot_before"],
+            distance=None if j is None else 4 - j, predicted_action_json='{"type": "click", "x": 5, "y": 5}',
+            trusted_action_json='{"type": "click", "x": 5, "y": 5}', matched=True, match_reason="type click",
+            kept=True, model_id="scripted", prompt_version="pal_ui_teacher@1,pal_ui_act@1"))
+    return ws, rows
+
+
+def test_balancing_keeps_the_look_backs_whole_and_drops_the_surplus_direct_samples_by_hash(recorded, model):
+    ws, rows = hand_made(recorded, model, [3, 1, None, None, None, None, None])  # distances 1 and 3, five direct
+    run = ws.ledger.open_run("test", "balance").run_id
+    out = pal_ui_sft.compile_sft(rows, ws, run, "")
+    chats = out.rows["pal_ui_sft"]
+    assert len(chats) == 4 and sum(c.retrieved_step is not None for c in chats) == 2
+    direct = sorted((r for r in rows if r.retrieved_step is None), key=lambda r: digest(r.sample_id))
+    assert {c.source_id for c in chats if c.retrieved_step is None} == {r.sample_id for r in direct[:2]}
+    assert out.dropped == {"balance: direct sample beyond pal_ui.retrieval_share 0.5": 3}
+    # weight = 1 + 0.5 * (distance - 1): distance 1 -> 1.0, distance 3 -> 2.0, no look-back -> 1.0
+    assert sorted((c.distance or 0, c.weight) for c in chats) == [(0, 1.0), (0, 1.0), (1, 1.0), (3, 2.0)]
+    assert out.stats["distance 1 before weighting"] == out.stats["distance 3 before weighting"] == 1
+    assert out.stats["distance 1 after weighting (hundredths)"] == 100
+    assert out.stats["distance 3 after weighting (hundredths)"] == 200
+    assert pal_ui_sft.pal_ui_sft_summary(dict(out.stats) | {"teacher passes": 10, "teacher passes kept": 7}) \
+        .startswith("teacher matched 7/10 (70%); 4 rows, 2 with a look-back (50%); i - j before weighting: 1: 1, "
+                    "3: 1; after: 1: 1, 3: 2; mean prompt tokens")
+    direct_row = next(c for c in chats if c.retrieved_step is None)
+    messages = json.loads(direct_row.messages_json)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"] and len(direct_row.images) == 1
+    assert messages[2]["content"][0]["text"].endswith(
+        '<tool_use>{"name": "mobile_use", "arguments": {"action": "click", "coordinate": [5, 5]}}</tool_use>')
+    # the memory's four screenshots in place of the captions: more tokens than the memory (and o_j) cost
+    assert out.stats["prompt tokens with all screenshots"] > out.stats["prompt tokens with memory"]
+
+
+def test_balancing_other_shares_and_a_missing_class(recorded, model):
+    _, rows = hand_made(recorded, model, [1, 2, 3, None, None, None])
+    kept, dropped, _ = pal_ui_sft.balance(rows, 0.25)  # three look-backs against three direct: one look-back stays
+    assert sum(r.retrieved_step is not None for r in kept) == 1 and len(kept) == 4
+    assert dropped == {"balance: look-back sample beyond pal_ui.retrieval_share 0.25": 2}
+    assert pal_ui_sft.balance(rows, 0.25)[0] == kept  # deterministic
+    kept, dropped, stats = pal_ui_sft.balance(rows[3:], 0.5)
+    assert kept == rows[3:] and not dropped
+    assert stats == {"could not balance: no look-back samples, the rest kept whole": 1}
+    assert pal_ui_sft.weight_of(5, 0.25) == 2.0 and pal_ui_sft.weight_of(None, 0.25) == 1.0
+    assert pal_ui_sft.image_tokens(390, 844) == 14 * 31
+
