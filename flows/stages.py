@@ -25,6 +25,8 @@ NIGHTLY: tuple[str, ...] = (
     "trajforge.synth.semantics",  # every valid step: the action from before/after, and described
     "trajforge.synth.reasoning",  # trusted steps: sampled reasonings kept when their action matches; distilled roles
     "trajforge.synth.planning",  # manuals per app and task family (measured), plans checked against page graphs
+    "trajforge.synth.pal_ui",  # trusted steps: a memory of the earlier ones, a teacher that may look back at one
+    "trajforge.synth.pal_ui_sft",  # the night's matched teacher passes, balanced look-back/direct, as chat rows
     "trajforge.synth.agentic_q",  # each query's last n judged attempts: levels, step values, SWPO candidate groups
 )
 

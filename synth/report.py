@@ -17,7 +17,7 @@ from trajforge.data.catalog import CatalogError, Lineage
 from trajforge.guidance.history import hardness
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import policy_summary
-from trajforge.synth import agentic_q
+from trajforge.synth import agentic_q, pal_ui, pal_ui_sft
 from trajforge.synth.export import ROLE_TABLES
 
 ROLE_TABLE_NAMES = {t.table for t in ROLE_TABLES.values()}
@@ -94,6 +94,7 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
                           ("train_grounding", None), ("action_semantics", "tier"), ("train_semantics", None),
                           ("reasoning_samples", "hint_style"), ("train_reasoning", "hint_style"),
                           ("manuals", "app"), ("plans", "app"), ("train_planning", None),
+                          ("pal_ui_teacher", "kept"), ("pal_ui_sft", None),
                           ("agentic_q_values", "level"), ("agentic_q_groups", "kept")):
         rows = _this_run(ws, table, run_id)
         if rows is None:
@@ -104,8 +105,9 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
                 rows.height == 0 else ""
             lines.append(f"| {table} | all | {rows.height}{why} |")
         else:
-            for row in rows.group_by(column).len().sort(column).iter_rows():
-                lines.append(f"| {table} | {row[0] or 'policy'} | {row[1]} |")
+            for value, n in rows.group_by(column).len().sort(column).iter_rows():
+                kind = "policy" if value is None else value if isinstance(value, str) else f"{column} {value}"
+                lines.append(f"| {table} | {kind} | {n} |")
     manuals = _this_run(ws, "manuals", run_id)
     if manuals is not None and manuals.height:
         lines += ["", "### Manuals and their measured value", "",
@@ -194,7 +196,7 @@ def render_reasoning(ws: Workspace, run_id: str) -> list[str]:
     return lines + [""]
 
 
-STEP_DATASETS = (agentic_q.STAGE,)
+STEP_DATASETS = (pal_ui.STAGE, pal_ui_sft.STAGE, agentic_q.STAGE)
 """The companion papers' stages whose summary line (the figures each paper's data is judged by) the report shows."""
 
 
