@@ -200,7 +200,9 @@ def estimate(units: list[QueryAttempts], ws: Workspace, run_id: str, _: str) -> 
         states += [(unit, key, *recorded[key], seen) for key, seen in observed.items()]
     # States seen in more attempts first (their scores rest on more returns), then by value spread.
     states.sort(key=lambda s: (-len(s[4]), -statistics.pstdev([o.value for o in s[4]]), s[1]))
-    if cfg.groups and states:
+    if states and ws.settings.synth.writer != "model":
+        out.stats["synth.writer is template: no candidate groups sampled"] += 1
+    elif cfg.groups and states:
         asker = Asker(ws, out, (PROMPT,), model=ws.settings.rollout.model, role="agentic_q", prompts=PROMPTS_DIR)
         groups = [_group(asker, ws, unit, key, step, window, seen, run_id)
                   for unit, key, step, window, seen in states[:cfg.groups]]
