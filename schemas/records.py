@@ -680,10 +680,100 @@ class PalUIChat(ChatSample):
     distance: int | None = Field(default=None, description="i - j; None: no look-back.")
 
 
+class CESGroup(Record):
+    """One CES execution-feedback group (ces-coordinator-executor-state-tracker.md, 4.3.2, A.1, A.2): N sampled
+    outputs of one role for one trusted step, each scored through the frozen executor's action at that step,
+    R = alpha_format R_format + alpha_exec (gamma_type R_type + gamma_param R_param), with group-normalised
+    advantages. The prompt is kept as chat messages with its images, so an RL trainer can replay it."""
+
+    key: ClassVar[str] = "group_id"
+
+    group_id: str
+    step_id: str
+    episode_id: str
+    query_id: str
+    step_index: int = Field(ge=0)
+    trusted: Literal["reference", "accepted"]
+    checker: str = Field(description="The query's checker and a hash of its parameters (`name@hash`); '' unknown.")
+    messages_json: str = Field(description="The sampled role's prompt: [{role, content: [{type: text, text} | "
+                               "{type: image}]}], no answer.")
+    images: list[bytes] = Field(description="PNG bytes of the prompt's image parts, in order.")
+    state_input: str = Field(description="The task state the prompt was given (m^{t-1} for the coordinator, "
+                             "m^{t-2} for the state tracker).")
+    state_input_silver: bool = Field(description="The state input was written by the state tracker model (not "
+                                     "annotated); false: the fixed start state or the trusted actions in words.")
+    responses: list[str] = Field(description="The N raw outputs.")
+    executor_outputs: list[str | None] = Field(description="The executor's raw answer per candidate; None: not "
+                                               "asked (no instruction to execute).")
+    executor_actions: list[str | None] = Field(description="The executor's action per candidate as JSON; None: "
+                                               "none (not asked, or its answer was no usable call).")
+    reasons: list[str] = Field(description="Per candidate, what decided its reward (format, match result).")
+    format_rewards: list[float]
+    type_rewards: list[float]
+    param_rewards: list[float]
+    exec_rewards: list[float]
+    rewards: list[float]
+    advantages: list[float] = Field(description="(r - mean) / std over the group (CES eq. 5); zeros when all equal.")
+    zero_variance: bool = Field(description="All N rewards are equal: the group teaches GRPO nothing.")
+    trusted_action_json: str
+    target_box: list[float] | None = None
+    model_id: str = Field(description="The model that sampled the N outputs.")
+    executor_model_id: str = Field(description="The frozen executor's model ('' when it was never asked).")
+    prompt_versions: str = Field(description="`name@version` of every prompt behind the rewards, comma-separated.")
+
+    _json = field_validator("messages_json", "trusted_action_json")(_check_json)
+
+
+class CESCoordinatorGroup(CESGroup):
+    """Stage 1 (CES A.1): N atomic instructions sampled from the coordinator given (s^t, q, silver m^{t-1})."""
+
+    table: ClassVar[str] = "ces_coordinator_rl"
+
+    instructions: list[str | None] = Field(description="The <answer> of each output; None: format broken.")
+    ceiling_ok: bool = Field(description="The executor given the trusted (template) instruction matches the step.")
+    floor_ok: bool = Field(description="The executor given the raw task matches the step.")
+
+
+class CESStateTrackerGroup(CESGroup):
+    """Stage 2 (CES A.1): N states m^{t-1} sampled from the state tracker given (q, silver m^{t-2}, u^{t-1}), each
+    scored through the frozen coordinator (greedy) and the frozen executor at step t."""
+
+    table: ClassVar[str] = "ces_state_tracker_rl"
+
+    states: list[str | None] = Field(description="The <answer> of each output; None: format broken.")
+    coordinator_outputs: list[str | None] = Field(description="The frozen coordinator's raw answer given each "
+                                                  "state; None: not asked (no state).")
+    instructions: list[str | None] = Field(description="The frozen coordinator's instruction given each state.")
+    step_images: list[bytes] = Field(description="PNG of the screen s^t the coordinator and executor saw (the state "
+                                     "tracker itself sees none), to rescore new samples.")
+
+
+class CESChat(ChatSample):
+    """A CES warm-up SFT sample (CES 4.3.1, B.1) of one trusted step."""
+
+    step_id: str
+    episode_id: str
+    silver: bool = Field(description="The task state in the sample (the coordinator's input, the state tracker's "
+                         "answer) was written by the state tracker model, not annotated.")
+
+
+class CESCoordinatorChat(CESChat):
+    """(s^t, q, m^{t-1}) -> <think>the step's thought</think><answer>the trusted atomic instruction</answer>."""
+
+    table: ClassVar[str] = "ces_coordinator_sft"
+
+
+class CESStateTrackerChat(CESChat):
+    """(q, u^t, m^{t-1}) -> <think>..</think><answer>m^t</answer>, the silver state."""
+
+    table: ClassVar[str] = "ces_state_tracker_sft"
+
+
 RECORDS: dict[str, type[Record]] = {
     m.table: m
     for m in (Query, Page, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep,
               GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat,
               ReasoningSample, ReasoningChat, ManagerChat, WorkerChat, ReflectorChat,
-              NotetakerChat, QValueSample, QGroup, PalUITeacher, PalUIChat)
+              NotetakerChat, QValueSample, QGroup, PalUITeacher, PalUIChat, CESCoordinatorGroup,
+              CESStateTrackerGroup, CESCoordinatorChat, CESStateTrackerChat)
 }
