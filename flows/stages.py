@@ -27,6 +27,7 @@ NIGHTLY: tuple[str, ...] = (
     "trajforge.synth.planning",  # manuals per app and task family (measured), plans checked against page graphs
     "trajforge.synth.pal_ui",  # trusted steps: a memory of the earlier ones, a teacher that may look back at one
     "trajforge.synth.pal_ui_sft",  # the night's matched teacher passes, balanced look-back/direct, as chat rows
+    "trajforge.synth.ces",  # trusted steps: silver states, coordinator and state-tracker groups scored by an executor
     "trajforge.synth.agentic_q",  # each query's last n judged attempts: levels, step values, SWPO candidate groups
 )
 

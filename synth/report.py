@@ -17,7 +17,7 @@ from trajforge.data.catalog import CatalogError, Lineage
 from trajforge.guidance.history import hardness
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import policy_summary
-from trajforge.synth import agentic_q, pal_ui, pal_ui_sft
+from trajforge.synth import agentic_q, ces, pal_ui, pal_ui_sft
 from trajforge.synth.export import ROLE_TABLES
 
 ROLE_TABLE_NAMES = {t.table for t in ROLE_TABLES.values()}
@@ -95,6 +95,8 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
                           ("reasoning_samples", "hint_style"), ("train_reasoning", "hint_style"),
                           ("manuals", "app"), ("plans", "app"), ("train_planning", None),
                           ("pal_ui_teacher", "kept"), ("pal_ui_sft", None),
+                          ("ces_coordinator_rl", "zero_variance"), ("ces_coordinator_sft", "silver"),
+                          ("ces_state_tracker_rl", "zero_variance"), ("ces_state_tracker_sft", None),
                           ("agentic_q_values", "level"), ("agentic_q_groups", "kept")):
         rows = _this_run(ws, table, run_id)
         if rows is None:
@@ -196,7 +198,7 @@ def render_reasoning(ws: Workspace, run_id: str) -> list[str]:
     return lines + [""]
 
 
-STEP_DATASETS = (pal_ui.STAGE, pal_ui_sft.STAGE, agentic_q.STAGE)
+STEP_DATASETS = (pal_ui.STAGE, pal_ui_sft.STAGE, ces.STAGE, agentic_q.STAGE)
 """The companion papers' stages whose summary line (the figures each paper's data is judged by) the report shows."""
 
 
