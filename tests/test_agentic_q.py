@@ -24,6 +24,7 @@ from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings
 from trajforge.schemas.records import Episode, Query, Step, Verdict
 from trajforge.synth import agentic_q
+from trajforge.synth.report import render_step_datasets, render_yield
 from trajforge.synth.trusted import group_advantages
 from trajforge.tasks.runner import run_inline
 
@@ -139,7 +140,8 @@ def night(tmp_path_factory, policy):
 def test_levels_step_values_and_one_scored_group(night, policy):
     root, steps = night
     ws = workspace(root, policy.url)
-    out = run_inline(agentic_q.STAGE, ws, ws.ledger.open_run("test", "q").run_id, steps)
+    run_id = ws.ledger.open_run("test", "q").run_id
+    out = run_inline(agentic_q.STAGE, ws, run_id, steps)
     values = ws.catalog.load("agentic_q_values", out["agentic_q_values"]).to_dicts()
     # Only `mid` is informative: its 4 judged attempts (the environment fault is not one), 2 steps each.
     assert {v["query_id"] for v in values} == {"mid"} and len(values) == 8
@@ -169,6 +171,10 @@ def test_levels_step_values_and_one_scored_group(night, policy):
     # steps per success: over every query's successful attempts (mid 2, all 4, each 2 steps), dropped levels too
     assert line == ("levels (of 4) 0: 1, 2: 1, 4: 1; 8 step values, 50% with G = 1; 2.0 steps per successful "
                     "trajectory; 1 candidate groups, dropped: none")
+    # the morning report repeats the line and counts the rows by level and by verdict
+    assert f"- agentic_q: {line}." in render_step_datasets(ws, run_id)
+    yielded = render_yield(ws, run_id)
+    assert "| agentic_q_values | level 2 | 8 |" in yielded and "| agentic_q_groups | kept True | 1 |" in yielded
 
 
 def test_a_group_whose_candidates_all_agree_is_dropped_and_weighs_nothing(night, policy):
