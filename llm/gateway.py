@@ -111,6 +111,7 @@ class Gateway:
         sampling: Sampling | None = None,
         schema: type[T] | None = None,
         json_schema: dict[str, Any] | None = None,
+        reask: bool = True,
     ) -> ChatResult[T]:
         """Ask `model` (default: the configured default) and, given a `schema`, parse the answer.
 
@@ -118,14 +119,15 @@ class Gateway:
         to `json_schema` when given (tighter than the pydantic model, e.g. one action's arguments per
         action type), else to `schema`'s own JSON schema. Raises GatewayError when no answer came back
         after the endpoint's retries; an answer that does not parse is not an error: the result keeps
-        the raw text and `parse_error`.
+        the raw text and `parse_error`. `reask=False` keeps the first answer even when it does not parse
+        (a sample whose format is itself scored, as CES rewards it, must not be repaired).
         """
         name = model or self.settings.default
         if name not in self.backends:
             raise ValueError(f"no model named {name!r} (configured: {', '.join(self.backends)})")
         if schema is not None and prompt.format == "text":
             raise ValueError(
-                f"{prompt.template}@{prompt.version} declares format 'text'; a schema needs 'json' or 'tool_call'"
+                f"{prompt.template}@{prompt.version} declares format 'text'; a schema needs 'json', 'tool_call' or 'think_answer'"
             )
         sampling = sampling or prompt.sampling
         constraint = None
@@ -136,7 +138,7 @@ class Gateway:
             return ChatResult(record.text, None, None, (record,))
         parsed, error = self._parse(record, prompt, schema, sampling)
         calls = [record.model_copy(update={"parse_error": error})]
-        if error and self.settings.reask:
+        if error and self.settings.reask and reask:
             self.stats.reasks += 1
             self.stats.prompts[self._reask.name] = self._reask.version
             follow = self._reask.render(

@@ -7,7 +7,7 @@ the old one's answers. A file looks like:
 
     version: "2"
     description: why this prompt exists
-    format: json            # text | json | tool_call: what the answer must be
+    format: json            # text | json | tool_call | think_answer: what the answer must be
     sampling: {max_tokens: 128}
     messages:
       - role: system
@@ -37,7 +37,7 @@ from trajforge.llm.messages import ImagePart, Message, TextPart
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 _JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=False)
 
-OutputFormat = Literal["text", "json", "tool_call"]
+OutputFormat = Literal["text", "json", "tool_call", "think_answer"]
 
 
 class PromptError(ValueError):

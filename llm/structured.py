@@ -4,7 +4,9 @@ Strict, because a lenient parser (first brace to last brace, repaired quotes) tu
 confused answer into a confident row: the training data would learn from what the
 parser guessed. An answer is either exactly one JSON object (optionally in one ```json
 fence) or, for function calling, free reasoning followed by exactly one Qwen-style
-`<tool_call>{...}</tool_call>` and nothing after it.
+`<tool_call>{...}</tool_call>` and nothing after it, or (`think_answer`, the R1-style
+layout CES and GUI-R1 reward) `<think>...</think>` then `<answer>...</answer>` and nothing
+else, parsed as `ThinkAnswer`.
 
 Where a backend can, the answer is also held to its format while it is decoded
 (`Constraint`): a small model then cannot write an unparsable answer, only a wrong one.
@@ -20,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from trajforge.llm.prompts import OutputFormat
 
@@ -28,6 +30,18 @@ T = TypeVar("T", bound=BaseModel)
 
 _FENCE = re.compile(r"```(?:json)?\s*\n(.*?)\n?```", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_THINK_ANSWER = re.compile(r"\s*<think>(?P<think>.*?)</think>\s*<answer>(?P<answer>.*?)</answer>\s*", re.DOTALL)
+_THINK_ANSWER_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+THINK_TOKENS, ANSWER_TOKENS = 48, 64
+"""Most tokens of a think_answer's reasoning and answer while decoding (a prompt's max_tokens must hold both
+and the four tags: 128 does)."""
+
+
+class ThinkAnswer(BaseModel):
+    """A `think_answer` answer: the reasoning, and the answer (an instruction, a state), never empty."""
+
+    think: str
+    answer: str = Field(min_length=1)
 
 
 class ParseError(ValueError):
@@ -45,8 +59,17 @@ def _json_object(text: str) -> object:
 
 
 def extract(text: str, fmt: OutputFormat) -> object:
-    """The JSON value of an answer in format `fmt` ('json' or 'tool_call')."""
+    """The JSON value of an answer in format `fmt` ('json' or 'tool_call'); for 'think_answer', {think, answer}:
+    the whole answer is the two tagged parts, whitespace around them only, and no tag inside either."""
     body = text.strip()
+    if fmt == "think_answer":
+        found = _THINK_ANSWER.fullmatch(body)
+        if found is None:
+            raise ParseError("expected <think>...</think> then <answer>...</answer> and nothing else")
+        parts = {"think": found["think"].strip(), "answer": found["answer"].strip()}
+        if any(tag in value for value in parts.values() for tag in _THINK_ANSWER_TAGS):
+            raise ParseError("a tag inside <think> or <answer>")
+        return parts
     if fmt == "json":
         fence = _FENCE.fullmatch(body)
         return _json_object(fence.group(1) if fence else body)
@@ -114,6 +137,12 @@ class Constraint:
                 f"thinking[max_tokens={REASONING_TOKENS}]: /[^<]*/\n"
                 f"conclusion[max_tokens={REASONING_TOKENS // 3}]: /[^<]*/\n"
                 f"call: {call}\n"
+            )
+        if self.format == "think_answer":  # the JSON schema plays no part: the two parts are free text
+            return (
+                'start: "<think>" think "</think>\\n<answer>" answer "</answer>"\n'
+                f"think[max_tokens={THINK_TOKENS}]: /[^<]*/\n"
+                f"answer[max_tokens={ANSWER_TOKENS}]: /[^<]+/\n"
             )
         raise ValueError(f"format {self.format!r} has no structure to constrain")
 

@@ -103,14 +103,16 @@ MAX_TEXT = 80
 """Longest text argument a constrained answer may type (a typed field's value, an answer)."""
 
 
-def call_schema(space: actions.Space, width: int, height: int) -> dict[str, Any]:
+def call_schema(space: actions.Space, width: int, height: int,
+                points: list[list[int]] | None = None) -> dict[str, Any]:
     """The function call as a JSON schema, one branch per action with exactly its arguments and points on
-    the screen: an answer held to it while decoding is a call the action validator accepts."""
+    the screen: an answer held to it while decoding is a call the action validator accepts. `points`, when
+    given, are the only points an action may name (the end of a drag or swipe stays free)."""
     point = {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": max(width - 1, 0)},
                                               {"type": "integer", "minimum": 0, "maximum": max(height - 1, 0)}],
              "items": False, "minItems": 2, "maxItems": 2}
     tighter: dict[str, dict[str, Any]] = {
-        "x": point, "x2": point,
+        "x": {"enum": points} if points else point, "x2": point,
         "text": {"type": "string", "minLength": 1, "maxLength": MAX_TEXT},
         "key": {"type": "string", "minLength": 1, "maxLength": 24},
         "keys": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 24}, "minItems": 1,

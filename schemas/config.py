@@ -418,6 +418,11 @@ class SynthSettings(_Section):
     reweight_max: float = Field(default=4.0, gt=0, description="Filter 3: the largest weight (the hardest tasks).")
     match_tolerance_px: float = Field(
         default=14.0, ge=0, description="A predicted point matches within this many pixels of the target's box.")
+    points: Literal["elements", "free"] = Field(
+        default="elements", description="Where the synthesis stages' predictions of a trusted action may point "
+        "(reasoning_act, pal_ui_act, ces_executor): elements, only at the centre of an element of the step's "
+        "accessibility tree, held there while decoding (the model chooses the element; the embedded 135M model "
+        "cannot compute a box's centre and missed every target); free: any pixel of the screen.")
 
 
 class PalUISettings(_Section):

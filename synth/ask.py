@@ -48,9 +48,10 @@ class Asker:
         return f"{name}@{self.prompts[name].version}"
 
     def ask(self, name: str, *, seed: int | None = None, temperature: float | None = None,
-            schema: type[BaseModel] | None = None, json_schema: dict[str, Any] | None = None,
+            schema: type[BaseModel] | None = None, json_schema: dict[str, Any] | None = None, reask: bool = True,
             **variables: Any) -> Answer:
-        """Ask prompt `name` rendered with `variables`; `seed`/`temperature` override the prompt's sampling."""
+        """Ask prompt `name` rendered with `variables`; `seed`/`temperature` override the prompt's sampling;
+        `reask=False` keeps an unparsable first answer as it is (llm.reask is not tried)."""
         rendered = self.prompts[name].render(**variables)
         base = rendered.sampling
         sampling = None
@@ -60,7 +61,7 @@ class Asker:
         version = self.version(name)
         try:
             result = self.ws.gateway.chat_sync(rendered, model=self.model, sampling=sampling, schema=schema,
-                                               json_schema=json_schema)
+                                               json_schema=json_schema, reask=reask)
         except GatewayError as exc:
             return Answer("", None, f"no answer: {exc.record.error}", exc.record.model_id, version)
         self.out.models[self.role] = result.record.model_id

@@ -30,15 +30,15 @@ instruction (the ceiling a Coordinator can reach) and given the raw task (the fl
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from trajforge.data.blobs import BlobCorrupted, BlobMissing
 from trajforge.envs import actions
 from trajforge.llm import ImagePart
+from trajforge.llm.structured import ParseError, ThinkAnswer, parse
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
 from trajforge.schemas.config import CESSettings
 from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import (
@@ -54,7 +54,7 @@ from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.chat import chat_messages
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
-from trajforge.synth.trusted import TrustedEpisode, group_advantages, load_trusted, trusted_action
+from trajforge.synth.trusted import TrustedEpisode, group_advantages, load_trusted, prediction_schema, trusted_action
 
 COORDINATOR, EXECUTOR, TRACKER = "ces_coordinator", "ces_executor", "ces_state_tracker"
 START = "Nothing has been done yet."
@@ -64,29 +64,14 @@ START = "Nothing has been done yet."
 # ---------------------------------------------------------------- the rules
 
 
-@dataclass(frozen=True)
-class Tagged:
-    """An output in the CES format: its reasoning and its answer (an instruction or a state)."""
-
-    think: str
-    answer: str
-
-
-_FORMAT = re.compile(r"\s*<think>(?P<think>.*?)</think>\s*<answer>(?P<answer>.*?)</answer>\s*", re.DOTALL)
-_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-
-
-def tagged(output: str) -> Tagged | None:
-    """CheckFormat of CES eq. 22, and the parse that goes with it (one owner, so what is rewarded is what is used):
-    the whole output is <think>...</think> then <answer>...</answer>, whitespace around them only, no tag inside
-    either, a non-empty answer. None: the format is broken (R_format 0, nothing to pass on)."""
-    found = _FORMAT.fullmatch(output)
-    if found is None:
+def tagged(output: str) -> ThinkAnswer | None:
+    """CheckFormat of CES eq. 22, and the parse that goes with it: `llm.structured`'s `think_answer` format (the
+    whole output is <think>...</think> then <answer>...</answer>, no tag inside either, a non-empty answer), so
+    what is rewarded is what is passed on. None: the format is broken (R_format 0, nothing to pass on)."""
+    try:
+        return parse(output, "think_answer", ThinkAnswer)
+    except ParseError:
         return None
-    think, answer = found["think"].strip(), found["answer"].strip()
-    if not answer or any(tag in think or tag in answer for tag in _TAGS):
-        return None
-    return Tagged(think, answer)
 
 
 @dataclass(frozen=True)
@@ -206,7 +191,7 @@ class _CES(Asker):
         space = actions.space_for(unit.viewport)
         function = FUNCTIONS[space]
         said = self.ask(EXECUTOR, instruction=instruction, tools=tool_spec(space), function=function, schema=ToolCall,
-                        json_schema=call_schema(space, step.width, step.height), **_screen(space, step))
+                        json_schema=prediction_schema(space, step, self.synth.points), **_screen(space, step))
         predicted, why = None, said.error
         if said.parsed is not None:
             try:
@@ -224,12 +209,14 @@ class _CES(Asker):
         """One coordinator output at the step given `state`: sampled with `seed`, greedy without."""
         space = actions.space_for(unit.viewport)
         return self.ask(COORDINATOR, seed=seed, temperature=None if seed is None else self.cfg.temperature,
-                        task=unit.instruction, state=state, **_screen(space, step))
+                        schema=ThinkAnswer, reask=seed is None, task=unit.instruction, state=state,
+                        **_screen(space, step))
 
     def track(self, unit: TrustedEpisode, step: Step, state: str, seed: int | None = None) -> Answer:
         """One state tracker output: the state after `step` from the state before it."""
         return self.ask(TRACKER, seed=seed, temperature=None if seed is None else self.cfg.temperature,
-                        task=unit.instruction, executor_output=executor_output(step), state=state)
+                        schema=ThinkAnswer, reask=seed is None, task=unit.instruction,
+                        executor_output=executor_output(step), state=state)
 
     def silver_states(self, unit: TrustedEpisode) -> list[Silver]:
         """m^0 .. m^{L-1} along the trusted steps, greedy, each from the one before (m^{-1} = START)."""
@@ -313,7 +300,7 @@ def _common(c: _CES, unit: TrustedEpisode, step: Step, role: str) -> dict[str, A
             "target_box": step.target_box}
 
 
-def _answers(said: list[Answer | None]) -> list[Tagged | None]:
+def _answers(said: list[Answer | None]) -> list[ThinkAnswer | None]:
     """Each answer in the CES format, None where it is not (or where there was no answer, or no call)."""
     return [tagged(a.text) if a is not None and a.error is None else None for a in said]
 

@@ -37,14 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from trajforge.envs import actions
 from trajforge.llm import ImagePart
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import PalUITeacher
 from trajforge.schemas.stage import StageDef, StageOutput
 from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
-from trajforge.synth.trusted import TrustedEpisode, load_trusted, trusted_action
+from trajforge.synth.trusted import TrustedEpisode, load_trusted, prediction_schema, trusted_action
 
 CAPTION, VALIDATE, TEACHER, ACT = "pal_ui_caption", "pal_ui_validate", "pal_ui_teacher", "pal_ui_act"
 
@@ -220,7 +220,7 @@ def _pass(teacher: _Teacher, unit: TrustedEpisode, index: int) -> PalUITeacher:
         screens.append(ImagePart(sha256=back.screenshot_before, ax_tree=back.ax_tree_before))
         looked |= {"retrieved_step": j, "retrieved_screenshot": back.screenshot_before, "distance": index - j}
     function = FUNCTIONS[space]
-    act = teacher.ask(ACT, schema=ToolCall, json_schema=call_schema(space, step.width, step.height),
+    act = teacher.ask(ACT, schema=ToolCall, json_schema=prediction_schema(space, step, teacher.cfg.points),
                       tools=tool_spec(space), function=function, revision=plan.history_revision,
                       candidates=plan.candidates, confidence=plan.confidence, retrieved=j, screenshots=screens,
                       **common)

@@ -18,7 +18,9 @@ from typing import Any, Literal
 
 import polars as pl
 
+from trajforge.envs import actions, axtree
 from trajforge.llm.workspace import Workspace
+from trajforge.rollout.gui_owl import call_schema
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Step, steps_by_episode
 from trajforge.schemas.stage import Inputs
@@ -48,6 +50,29 @@ def history(steps: list[Step], index: int, window: int | None = None) -> list[st
     """The actions before step `index` in words, oldest first; only the last `window` of them when given."""
     start = 0 if window is None else max(0, index - window)
     return [action_text(s) for s in steps[start:index]]
+
+
+MAX_POINTS = 64
+"""Most element centres a prediction may choose among (the grammar grows with each)."""
+
+
+def prediction_schema(space: actions.Space, step: Step, points: str) -> dict[str, Any]:
+    """The call schema a synthesis stage's prediction of a step's action is held to: with `synth.points:
+    elements`, a point can only be the centre of an element of the step's accessibility tree (the model
+    chooses the element; it cannot miss it by arithmetic, which a 135M model cannot do); `free`: any pixel."""
+    centres: list[list[int]] = []
+    try:
+        nodes = axtree.parse(step.ax_tree_before or "") if points == "elements" else []
+    except ValueError:  # a tree that does not parse offers no element: the point stays free
+        nodes = []
+    if nodes:
+        for node in nodes:
+            if node.box is not None and "covered" not in node.states:
+                x, y, w, h = node.box
+                centre = [int(x + w / 2), int(y + h / 2)]
+                if centre not in centres and 0 <= centre[0] < step.width and 0 <= centre[1] < step.height:
+                    centres.append(centre)
+    return call_schema(space, step.width, step.height, centres[:MAX_POINTS] or None)
 
 
 def group_advantages(scores: list[float]) -> list[float]:

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from test_llm_failures import ScriptedServer
 
 from trajforge.guidance.reference import STAGE as REFERENCE
+from trajforge.llm.structured import ThinkAnswer
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
@@ -167,8 +168,8 @@ def test_the_execution_feedback_reward_on_hand_worked_numbers():
 
 
 def test_the_format_is_exactly_think_then_answer():
-    assert ces.tagged("<think>a</think>\n<answer>Click 'Save'</answer>\n") == ces.Tagged("a", "Click 'Save'")
-    assert ces.tagged("<think></think><answer>b</answer>") == ces.Tagged("", "b")
+    assert ces.tagged("<think>a</think>\n<answer>Click 'Save'</answer>\n") == ThinkAnswer(think="a", answer="Click 'Save'")
+    assert ces.tagged("<think></think><answer>b</answer>") == ThinkAnswer(think="", answer="b")
     for broken in ("Click 'Save'", "<answer>b</answer>", "<think>a</think>", "so: <think>a</think><answer>b</answer>",
                    "<think>a</think><answer>b</answer> and more", "<answer>b</answer><think>a</think>",
                    "<think>a</think><answer> </answer>", "<think>a</think><answer>b</answer><answer>c</answer>"):

@@ -36,13 +36,14 @@ from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, l
 from trajforge.llm.local import SMOLLM2_ID, load, missing_models
 from trajforge.llm.messages import TextPart
 from trajforge.llm.ocr import OcrReader
-from trajforge.llm.structured import Constraint
+from trajforge.llm.structured import Constraint, ThinkAnswer
 from trajforge.query_gen.deep_search import CommandAnswer, SelectionAnswer
 from trajforge.query_gen.synthesis import InstructionAnswer
 from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
 from trajforge.rollout.mobile_agent import Notes, Plan, Reflection, WorkerAnswer
 from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_settings
 from trajforge.synth.grounding import Described
+from trajforge.synth.pal_ui import deliberation_schema
 from trajforge.synth.planning import ManualAnswer, PlanAnswer
 from trajforge.synth.semantics import Check
 
@@ -393,6 +394,11 @@ def test_every_structured_answer_has_a_grammar_that_compiles():
     for space, function in FUNCTIONS.items():
         grammar = Constraint("tool_call", call_schema(space, 1280, 800)).grammar  # type: ignore[arg-type]
         assert LLMatcher.validate_grammar(grammar) == "", function
+        on_elements = call_schema(space, 1280, 800, [[50, 50], [150, 150]])  # type: ignore[arg-type]
+        assert LLMatcher.validate_grammar(Constraint("json", on_elements).grammar) == "", function
+    # PAL-UI's deliberation (its retrieve index bounded) and the think_answer layout CES rewards
+    assert LLMatcher.validate_grammar(Constraint("json", deliberation_schema(3)).grammar) == ""
+    assert LLMatcher.validate_grammar(Constraint("think_answer", ThinkAnswer.model_json_schema()).grammar) == ""
 
 
 def test_the_embedded_policy_writes_a_valid_action_when_constrained(embedded, tmp_path):

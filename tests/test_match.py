@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from trajforge.schemas.records import Step
 from trajforge.synth.match import match, text_f1
+from trajforge.synth.trusted import prediction_schema
 
 BOX = [100.0, 200.0, 80.0, 40.0]  # x, y, w, h
 
@@ -44,3 +46,28 @@ def test_a_scroll_or_swipe_matches_by_direction_not_by_distance():
 def test_terminate_matches_on_its_status():
     assert match({"type": "terminate", "status": "success"}, {"type": "terminate", "status": "success"}).ok
     assert not match({"type": "terminate", "status": "failure"}, {"type": "terminate", "status": "success"}).ok
+
+
+def _step(tree: str) -> Step:
+    return Step(run_id="r", step_id="s", episode_id="e", step_index=0, screenshot_before="a", screenshot_after="a",
+                width=390, height=844, url_before="u", url_after="u", title_before="t", title_after="t",
+                ax_tree_before=tree, action_type="click", action_json="{}", action_valid=True, thought="",
+                raw_output="", duration_ms=1.0)
+
+
+def _click_point(schema: dict) -> dict:
+    click = next(b for b in schema["properties"]["arguments"]["anyOf"] if b["properties"]["action"] == {"const": "click"})
+    return click["properties"]["coordinate"]
+
+
+def test_a_prediction_may_point_only_at_an_element_centre_unless_points_are_free():
+    tree = ('main\n  button "Save" (40,40,20,20)\n  link "Cart" [covered] (0,0,10,10)\n  text "Total" (140,140,21,20)'
+            '\n  button "Off screen" (500,900,10,10)')
+    step = _step(tree)
+    # the centres of the boxed elements on the screen; the covered link cannot be clicked, so it is not offered
+    assert _click_point(prediction_schema("mobile", step, "elements")) == {"enum": [[50, 50], [150, 150]]}
+    free = _click_point(prediction_schema("mobile", step, "free"))
+    assert free["prefixItems"][0]["maximum"] == 389 and free["prefixItems"][1]["maximum"] == 843
+    # a tree that does not parse, or offers no box, leaves the point free rather than offering nothing
+    assert "prefixItems" in _click_point(prediction_schema("mobile", _step('button "unterminated'), "elements"))
+    assert "prefixItems" in _click_point(prediction_schema("mobile", _step("main"), "elements"))
