@@ -36,14 +36,14 @@ from trajforge.envs import actions
 from trajforge.llm import ImagePart
 from trajforge.llm.prompts import PROMPTS_DIR
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, ToolCall, call_schema, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, ToolCall, call_schema, tool_spec
 from trajforge.schemas.config import AgenticQSettings
 from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import QGroup, QValueSample, Step, steps_by_episode
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 from trajforge.synth.ask import Asker
 from trajforge.synth.match import match
-from trajforge.synth.trusted import checker_versions, group_advantages, history, trusted_action
+from trajforge.synth.trusted import checker_versions, group_advantages, history, predicted_action, trusted_action
 
 
 @dataclass(frozen=True)
@@ -157,12 +157,7 @@ def _group(asker: Asker, ws: Workspace, unit: QueryAttempts, key: str, step: Ste
                            width=step.width, height=step.height, tools=tool_spec(space), function=function,
                            task=unit.instruction, guidance=None, history=window,
                            screenshots=[ImagePart(sha256=step.screenshot_before, ax_tree=step.ax_tree_before)])
-        action, error = None, answer.error
-        if answer.parsed is not None:
-            try:
-                action = to_action(answer.parsed, function)
-            except ValueError as exc:
-                error = str(exc)
+        action, error = predicted_action(answer, function)
         score, matched = _score(action, seen, ws.settings.synth.match_tolerance_px)
         candidates.append({"raw_output": answer.text, "action": action, "error": error, "score": score,
                            "matched": matched})

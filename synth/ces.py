@@ -38,7 +38,7 @@ from trajforge.envs import actions
 from trajforge.llm import ImagePart
 from trajforge.llm.structured import ParseError, ThinkAnswer, parse
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, tool_spec
 from trajforge.schemas.config import CESSettings
 from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import (
@@ -54,7 +54,14 @@ from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.chat import chat_messages
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
-from trajforge.synth.trusted import TrustedEpisode, group_advantages, load_trusted, prediction_schema, trusted_action
+from trajforge.synth.trusted import (
+    TrustedEpisode,
+    group_advantages,
+    load_trusted,
+    predicted_action,
+    prediction_schema,
+    trusted_action,
+)
 
 COORDINATOR, EXECUTOR, TRACKER = "ces_coordinator", "ces_executor", "ces_state_tracker"
 START = "Nothing has been done yet."
@@ -192,12 +199,7 @@ class _CES(Asker):
         function = FUNCTIONS[space]
         said = self.ask(EXECUTOR, instruction=instruction, tools=tool_spec(space), function=function, schema=ToolCall,
                         json_schema=prediction_schema(space, step, self.synth.points), **_screen(space, step))
-        predicted, why = None, said.error
-        if said.parsed is not None:
-            try:
-                predicted = to_action(said.parsed, function)
-            except ValueError as exc:
-                why = str(exc)
+        predicted, why = predicted_action(said, function)
         if predicted is None:
             return Execution(said.text, None, False, False, f"executor gave no usable call: {why}", said.model_id)
         trusted = trusted_action(step)

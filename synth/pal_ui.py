@@ -37,14 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from trajforge.envs import actions
 from trajforge.llm import ImagePart
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, tool_spec
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import PalUITeacher
 from trajforge.schemas.stage import StageDef, StageOutput
 from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
-from trajforge.synth.trusted import TrustedEpisode, load_trusted, prediction_schema, trusted_action
+from trajforge.synth.trusted import TrustedEpisode, load_trusted, predicted_action, prediction_schema, trusted_action
 
 CAPTION, VALIDATE, TEACHER, ACT = "pal_ui_caption", "pal_ui_validate", "pal_ui_teacher", "pal_ui_act"
 
@@ -225,12 +225,7 @@ def _pass(teacher: _Teacher, unit: TrustedEpisode, index: int) -> PalUITeacher:
                       candidates=plan.candidates, confidence=plan.confidence, retrieved=j, screenshots=screens,
                       **common)
     looked["act_raw_output"] = act.text
-    predicted, why = None, act.error
-    if act.parsed is not None:
-        try:
-            predicted = to_action(act.parsed, function)
-        except ValueError as exc:
-            why = str(exc)
+    predicted, why = predicted_action(act, function)
     if predicted is None:
         return rejected(f"action unusable: {why or 'no answer'}", act.model_id, **looked)
     verdict = match(predicted, trusted, target_box=step.target_box, tolerance=teacher.cfg.match_tolerance_px)

@@ -26,7 +26,7 @@ from typing import Any
 from trajforge.envs import actions
 from trajforge.llm import ImagePart
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, tool_spec
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import ReasoningChat, ReasoningSample, Step
 from trajforge.schemas.stage import StageDef, StageOutput
@@ -34,7 +34,7 @@ from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.chat import policy_messages
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
-from trajforge.synth.trusted import TrustedEpisode, load_trusted, prediction_schema, trusted_action
+from trajforge.synth.trusted import TrustedEpisode, load_trusted, predicted_action, prediction_schema, trusted_action
 from trajforge.synth.trusted import history as past  # `history` names a step's past actions below
 
 ACT, HINTED, DISTILL = "reasoning_act", "reasoning_hinted", "reasoning_distill"
@@ -143,12 +143,7 @@ def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list
                 continue
             act = reasoner.ask(ACT, reasoning=said.text.strip(), tools=tool_spec(space), function=FUNCTIONS[space],
                                schema=ToolCall, json_schema=prediction_schema(space, step, cfg.points), **screen)
-            predicted, why = None, act.error
-            if act.parsed is not None:
-                try:
-                    predicted = to_action(act.parsed, FUNCTIONS[space])
-                except ValueError as exc:
-                    why = str(exc)
+            predicted, why = predicted_action(act, FUNCTIONS[space])
             verdict = match(predicted, trusted, target_box=step.target_box, tolerance=cfg.match_tolerance_px) \
                 if predicted is not None else None
             rows.append(_row(

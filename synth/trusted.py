@@ -20,10 +20,11 @@ import polars as pl
 
 from trajforge.envs import actions, axtree
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import call_schema
+from trajforge.rollout.gui_owl import call_schema, to_action
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Step, steps_by_episode
 from trajforge.schemas.stage import Inputs
+from trajforge.synth.ask import Answer
 from trajforge.synth.semantics import action_text
 
 
@@ -73,6 +74,17 @@ def prediction_schema(space: actions.Space, step: Step, points: str) -> dict[str
                 if centre not in centres and 0 <= centre[0] < step.width and 0 <= centre[1] < step.height:
                     centres.append(centre)
     return call_schema(space, step.width, step.height, centres[:MAX_POINTS] or None)
+
+
+def predicted_action(answer: Answer, function: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The action a function-call answer names, or None and why not (no answer, no parse, or a call that is
+    not the action space's)."""
+    if answer.parsed is None:
+        return None, answer.error
+    try:
+        return to_action(answer.parsed, function), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def group_advantages(scores: list[float]) -> list[float]:
