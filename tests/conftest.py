@@ -50,6 +50,37 @@ def trajforge_cli() -> str:
     require(Path(exe).exists(), "the trajforge console script is not installed (pip install -e .)")
     return exe
 
+
+REPLAY_NIGHT_CONFIG = """
+query_gen:
+  apps: [shop]
+  num_queries: 2
+  deep_search_apps: []
+rollout:
+  policy: replay
+  contexts: 2
+critics:
+  step_critic: rules
+  text_channel: false
+synth:
+  writer: template
+"""
+
+
+@pytest.fixture(scope="session")
+def replay_night(tmp_path_factory, chromium, trajforge_cli) -> tuple[Path, str]:
+    """One real night on the shop app with the replay policy (every trajectory accepted, so every
+    training table of the night has rows), shared by the tests that read a night's output: its
+    folder (trajforge.yaml inside) and its tag."""
+    from test_pipeline import cli, workspace
+
+    cwd = tmp_path_factory.mktemp("replay-night")
+    (cwd / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG)
+    cli(trajforge_cli, cwd, "run", "nightly")
+    (tag,) = [t for t in workspace(cwd).catalog.history("train_e2e")[-1].tags if t.startswith("nightly-")]
+    return cwd, tag
+
+
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 

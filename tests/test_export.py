@@ -12,33 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from test_pipeline import cli, workspace
+from test_pipeline import workspace
 
 pytestmark = pytest.mark.browser
 
-CONFIG = """
-query_gen:
-  apps: [shop]
-  num_queries: 2
-  deep_search_apps: []
-rollout:
-  policy: replay
-  contexts: 2
-critics:
-  step_critic: rules
-  text_channel: false
-synth:
-  writer: template
-"""
-
-
 @pytest.fixture(scope="module")
-def night(tmp_path_factory, chromium, trajforge_cli):
-    cwd = tmp_path_factory.mktemp("export")
-    (cwd / "trajforge.yaml").write_text(CONFIG)
-    cli(trajforge_cli, cwd, "run", "nightly")
+def night(replay_night):
+    cwd, tag = replay_night
     ws = workspace(cwd)
-    (tag,) = [t for t in ws.catalog.history("train_e2e")[-1].tags if t.startswith("nightly-")]
     table = ws.catalog.table("train_e2e")
     snapshot = table.snapshot_by_name(tag)
     tasks = table.scan(snapshot_id=snapshot.snapshot_id).plan_files()
