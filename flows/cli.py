@@ -1,20 +1,33 @@
 """The `trajforge` command line: run the pipeline or one stage, inspect dataset versions, serve.
 
-Every command validates the configuration (and app specs) before it starts work, and
-prints problems as one clear message instead of a traceback.
+Every command validates the configuration (and app specs) before it starts work. Problems
+go to stderr as one clear line, never a traceback (whose locals and messages could show a
+database password): exit status 2 for a usage error (bad arguments, an unknown stage,
+table or format, a bad config), 1 for a failure at run time (a stage that crashes, an
+unreachable catalog).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any
 
 import polars as pl
+import sqlalchemy as sa
 import typer
+import yaml
+from pydantic import BaseModel, SecretStr
+from pydantic_core import to_jsonable_python
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -25,37 +38,107 @@ from trajforge.envs.miniwob import MiniWoBError
 from trajforge.envs.spec import SpecError
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import ConfigError, Settings
+from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, load_settings
 
 STAGES = stages()
+EXPORT_FORMATS = ("ms-swift", "llamafactory", "hf", "verl")  # for --help; synth.handoff.FORMATS decides
 
-app = typer.Typer(help="trajforge: a self-evolving trajectory data factory for GUI agents.", no_args_is_help=True)
+# scheme://user:PASSWORD@host and password=PASSWORD (libpq's key=value form), as driver messages quote them.
+_URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^\s@]*@")
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)[^\s'\"]+", re.IGNORECASE)
+
+
+def _redact(text: str) -> str:
+    """`text` with the passwords of URLs and connection strings masked: every error and every shown value
+    passes through here, since a database driver's message may quote the URL it failed to reach."""
+    return _KV_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+class _App(typer.Typer):
+    """The root command: an exception no command handled is a failure at run time, printed as one line."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the one place failures reach the user
+            lines = str(exc).strip().splitlines()
+            _error(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)
+            sys.exit(1)
+
+
+app = _App(help="trajforge: a self-evolving trajectory data factory for GUI agents.", no_args_is_help=True,
+           pretty_exceptions_show_locals=False)
 datasets = typer.Typer(help="Inspect and tag dataset versions.", no_args_is_help=True)
 app.add_typer(datasets, name="datasets")
 evaluate = typer.Typer(help="Measure the pipeline's judges against ground truth.", no_args_is_help=True)
 app.add_typer(evaluate, name="eval")
+config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
 # Snapshot ids are copied from this output into --input: never truncate them, even when
 # the output is not a terminal (rich would assume 80 columns).
 console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="Config file (default: $TRAJFORGE_CONFIG or ./trajforge.yaml).")
+    Path | None, typer.Option("--config", "-c", help="Config file (default: $TRAJFORGE_CONFIG or ./trajforge.yaml).")
 ]
 
 
+def _error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(_redact(message))}", highlight=False, soft_wrap=True)
+
+
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    """A usage error: the command cannot do what it was asked (exit status 2)."""
+    _error(message)
     return typer.Exit(code=2)
 
 
-def _open(config: Path | None) -> tuple[Settings, Workspace]:
+def _crash(message: str) -> typer.Exit:
+    """A failure at run time: what was asked is fine, but it could not be done (exit status 1)."""
+    _error(message)
+    return typer.Exit(code=1)
+
+
+def _shown_url(url: str) -> str:
+    """A database URL with its password masked."""
+    try:
+        return sa.engine.make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return _redact(url)
+
+
+def _open(config: Path | None, models: bool = False) -> tuple[Settings, Workspace]:
+    """The settings and workspace of a command; `models` also checks the models a run asks (preflight)."""
     from trajforge.flows.pipeline import preflight
 
     try:
-        settings = preflight(str(config) if config else None)
+        settings = preflight(str(config) if config else None, models=models)
     except (ConfigError, SpecError, MiniWoBError, UnknownAppError) as exc:
         raise _fail(str(exc)) from None
-    return settings, Workspace.open(settings)
+    try:
+        return settings, Workspace.open(settings)
+    except sa.exc.ArgumentError as exc:
+        raise _fail(f"warehouse.catalog_url: {exc}") from None
+    except sa.exc.OperationalError as exc:
+        url = settings.warehouse.catalog_url
+        where = _shown_url(url.get_secret_value()) if url else str(settings.warehouse.path)
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        raise _crash(f"the catalog database is unreachable ({where}): {reason}") from None
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"trajforge {version('trajforge')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    show_version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version, help="Print the version and exit.")] = False,
+) -> None:
+    """The options every command shares (--version)."""
 
 
 def _watch(ws: Workspace, run_id: str, stop: threading.Event) -> None:
@@ -89,7 +172,7 @@ def _summary(ws: Workspace, snapshots: dict[str, int], tag: str | None) -> None:
 def run(
     stage: Annotated[str, typer.Argument(help=f"nightly, or one stage: {', '.join(STAGES)}")],
     input: Annotated[
-        Optional[str], typer.Option("--input", "-i", help="TABLE@VERSION the stage reads (default: TABLE@latest).")
+        str | None, typer.Option("--input", "-i", help="TABLE@VERSION the stage reads (default: TABLE@latest).")
     ] = None,
     config: ConfigOpt = None,
     fresh: Annotated[bool, typer.Option(help="Start a new run even if an unfinished one can be resumed.")] = False,
@@ -99,7 +182,7 @@ def run(
 
     if stage != "nightly" and stage not in STAGES:
         raise _fail(f"unknown stage {stage!r}; choose nightly or one of: {', '.join(STAGES)}")
-    settings, ws = _open(config)
+    settings, ws = _open(config, models=True)
     cfg = str(config) if config else None
     input_snapshot: int | None = None
     if stage == "nightly":
@@ -185,7 +268,7 @@ def datasets_history(table: str, config: ConfigOpt = None) -> None:
 def datasets_show(
     ref: Annotated[str, typer.Argument(help="TABLE, TABLE@latest, TABLE@SNAPSHOT_ID or TABLE@TAG")],
     limit: Annotated[int, typer.Option(help="Rows to print.")] = 10,
-    columns: Annotated[Optional[str], typer.Option(help="Comma-separated columns to print.")] = None,
+    columns: Annotated[str | None, typer.Option(help="Comma-separated columns to print.")] = None,
     config: ConfigOpt = None,
 ) -> None:
     """A version's lineage and its first rows."""
@@ -244,13 +327,11 @@ def datasets_tag(
 def eval_critics(
     input: Annotated[str, typer.Option("--input", "-i", help="verdicts@VERSION to evaluate.")] = "verdicts@latest",
     output: Annotated[
-        Optional[Path], typer.Option(help="Report file (JSON); default WAREHOUSE/reports/critics-SNAPSHOT.json.")
+        Path | None, typer.Option(help="Report file (JSON); default WAREHOUSE/reports/critics-SNAPSHOT.json.")
     ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Each critic channel's verdicts against the programmatic ground truth: metrics, confusion, errors."""
-    import json
-
     from trajforge.critics.evaluate import load_judged, score
     from trajforge.critics.stage import checker_for
 
@@ -290,7 +371,7 @@ def eval_critics(
 
 @app.command()
 def report(
-    run_id: Annotated[Optional[str], typer.Argument(help="A nightly run id (default: the latest nightly run).")] = None,
+    run_id: Annotated[str | None, typer.Argument(help="A nightly run id (default: the latest nightly run).")] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Print a nightly run's report: yield, success by app and query source, hard queries before and after guidance."""
@@ -309,6 +390,114 @@ def report(
     typer.echo(path.read_text())  # as written: rich would wrap the report's long table rows
 
 
+@app.command("export")
+def export_cmd(
+    ref: Annotated[str, typer.Argument(help="TABLE@VERSION of a training table (a snapshot id, a tag or latest).")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help=f"The trainer's format: {', '.join(EXPORT_FORMATS)}.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the dataset and its card into.")],
+    config: ConfigOpt = None,
+) -> None:
+    """Hand a training table's version to a trainer: its rows and images in the trainer's format, with a card."""
+    from trajforge.synth.handoff import FORMATS, ExportError, export
+
+    if fmt not in FORMATS:
+        raise _fail(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    _, ws = _open(config)
+    try:
+        result = export(ws.catalog, ref, fmt, out)
+    except (ExportError, CatalogError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"exported {result.table}@{result.snapshot} as {fmt}: {result.rows} rows, {result.images} images "
+                  f"to {result.out} (card: {result.card})", highlight=False)
+
+
+@app.command()
+def view(
+    target: Annotated[str, typer.Argument(help="A run id (its episodes) or an episode id.")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Folder (default: WAREHOUSE/views/TARGET).")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Write a static site to look at episodes step by step (screens, actions, critiques, verdicts)."""
+    from trajforge.flows.viewer import ViewError, build_viewer
+
+    _, ws = _open(config)
+    try:
+        index = build_viewer(ws, target, out)
+    except ViewError as exc:
+        raise _fail(str(exc)) from None
+    console.print(str(index), highlight=False)
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None) -> None:
+    """Every setting's effective value (YAML) and where it came from: default, the config file or a
+    TRAJFORGE_ variable; secrets masked."""
+    path = config_path(config)
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    data = (yaml.safe_load(path.read_text()) or {}) if path is not None else {}
+    env = {name.upper(): value for name, value in os.environ.items() if name.upper().startswith(ENV_PREFIX)}
+    typer.echo(f"# config file: {path if path is not None else 'none'}")
+    for line in _setting_lines(settings, (), lambda parts: _source(parts, data, path, env)):
+        typer.echo(line)
+
+
+def _setting_lines(
+    model: BaseModel, parts: tuple[str, ...], source: Callable[[tuple[str, ...]], str]
+) -> Iterator[str]:
+    """YAML lines of a settings section, each value followed by `# SOURCE`."""
+    pad = "  " * len(parts)
+    for name in type(model).model_fields:
+        value, here = getattr(model, name), (*parts, name)
+        if isinstance(value, BaseModel):
+            yield f"{pad}{name}:"
+            yield from _setting_lines(value, here, source)
+        elif isinstance(value, dict) and value and all(isinstance(v, BaseModel) for v in value.values()):
+            yield f"{pad}{name}:"  # a mapping of sections, such as llm.endpoints
+            for key, item in value.items():
+                yield f"{pad}  {key}:"
+                yield from _setting_lines(item, (*here, str(key)), source)
+        else:
+            yield f"{pad}{name}: {_shown(value)}  # {source(here)}"
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as YAML (JSON is YAML), secrets masked: a URL keeps all but its password."""
+    if isinstance(value, SecretStr):
+        secret = value.get_secret_value()
+        value = _shown_url(secret) if "://" in secret else "**********"
+    return _redact(json.dumps(to_jsonable_python(value)))
+
+
+def _source(parts: tuple[str, ...], data: dict[str, Any], path: Path | None, env: dict[str, str]) -> str:
+    """Where a setting's value came from. The environment overrides the file key by key, and a variable may give
+    a whole section as JSON (TRAJFORGE_LLM='{...}'), so the longest variable that holds the key wins."""
+    for i in range(len(parts), 0, -1):
+        name = ENV_PREFIX + "__".join(parts[:i]).upper()
+        if name not in env:
+            continue
+        if i == len(parts):
+            return name
+        try:
+            given = json.loads(env[name])
+        except json.JSONDecodeError:
+            continue
+        if _holds(given, parts[i:]):
+            return name
+    return str(path) if path is not None and _holds(data, parts) else "default"
+
+
+def _holds(data: Any, parts: tuple[str, ...]) -> bool:
+    """Whether the nested mapping `data` has the key path `parts`."""
+    for part in parts:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
 @app.command()
 def serve(config: ConfigOpt = None) -> None:
     """Serve the nightly flow as a Prefect deployment on the configured cron schedule."""
@@ -316,7 +505,7 @@ def serve(config: ConfigOpt = None) -> None:
 
     from trajforge.flows.pipeline import nightly
 
-    settings, _ = _open(config)
+    settings, _ = _open(config, models=True)
     params = {"config": str(config.resolve())} if config else {}
     console.print(f"serving deployment nightly/nightly on cron {settings.schedule.cron!r} ({settings.schedule.timezone})")
     nightly.serve(

@@ -547,13 +547,21 @@ def _has_path(data: Any, loc: tuple[Any, ...]) -> bool:
     return True
 
 
+def config_path(path: Path | None = None) -> Path | None:
+    """The config file `load_settings` reads: `path`, else $TRAJFORGE_CONFIG, else ./trajforge.yaml if present
+    (shared with `trajforge config show`, which names the file each value came from)."""
+    if path is not None:
+        return path
+    env_path = os.environ.get("TRAJFORGE_CONFIG")
+    if env_path:
+        return Path(env_path)
+    default = Path("trajforge.yaml")
+    return default if default.exists() else None
+
+
 def load_settings(path: Path | None = None) -> Settings:
     """Read `path` (default: $TRAJFORGE_CONFIG, else ./trajforge.yaml if present) and the environment."""
-    if path is None:
-        env_path = os.environ.get("TRAJFORGE_CONFIG")
-        path = Path(env_path) if env_path else Path("trajforge.yaml")
-        if not env_path and not path.exists():
-            path = None
+    path = config_path(path)
     data: dict[str, Any] = {}
     if path is not None:
         try:

@@ -122,4 +122,4 @@ def test_eval_critics_prints_metrics_and_writes_a_report(tmp_path, chromium, tra
     for example in steps["false_positives"] + steps["false_negatives"]:
         assert example["episode_id"] in out and example["ground_truth"]
     wrong = cli(trajforge_cli, tmp_path, "eval", "critics", "--input", "episodes@latest", ok=False)
-    assert "evaluated on a verdicts version, not on 'episodes'" in wrong.stdout
+    assert "evaluated on a verdicts version, not on 'episodes'" in wrong.stderr

@@ -152,7 +152,7 @@ def test_invalid_config_fails_before_any_work(tmp_path, trajforge_cli):
     (tmp_path / "trajforge.yaml").write_text("rollout:\n  contxts: 2\n")
     proc = subprocess.run([trajforge_cli, "run", "nightly"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "trajforge.yaml" in proc.stdout and "rollout.contxts" in proc.stdout
+    assert "trajforge.yaml" in proc.stderr and "rollout.contxts" in proc.stderr
     assert not (tmp_path / "data").exists()
 
 
@@ -214,8 +214,8 @@ def test_broken_app_spec_fails_before_any_work(tmp_path):
         env={**os.environ, "COLUMNS": "300", "PYTHONPATH": str(package.parent)},
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert str(spec) in proc.stdout
-    assert re.search(r"transitions\[\d+\]\.to: page 'basket' does not exist", proc.stdout), proc.stdout
+    assert str(spec) in proc.stderr
+    assert re.search(r"transitions\[\d+\]\.to: page 'basket' does not exist", proc.stderr), proc.stderr
     assert not (tmp_path / "data" / "warehouse").exists()
 
 
