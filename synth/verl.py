@@ -1,0 +1,140 @@
+"""The `verl` export: one version of `queries` as verl's RL prompt set, rewarded by the queries' own checkers.
+
+verl (volcengine/verl) trains a policy by RL from a Parquet of prompts whose columns it names: `data_source`,
+`prompt` (chat messages with string content; `<image>` in the text stands where the next image of `images`
+goes), `ability`, `reward_model` (`{style: rule, ground_truth}`, handed to the reward function) and
+`extra_info` (handed to it too), plus `images` (`[{bytes}]`) for a vision model. Our tasks are the rows of
+`queries`, and a task's reward is its programmatic checker on the app's final state, so the ground truth is what
+the checker needs (app, checker name, params) and `reward.py` (a copy of `synth/verl_reward.py`) runs it.
+
+The prompt is the policy's own first step (the gui_owl_e2e template: the action space as a function in the
+system message, the task and the start screen in the user message), so RL starts from what rollouts ask. The
+start screen is the first screenshot of the query's reference episode (stage `reference`), in the viewport a
+default rollout runs in when it was recorded there; a query without one (MiniWoB++, Android) gets no image and
+that viewport's size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trajforge.data.blobs import BlobStore
+from trajforge.data.catalog import Catalog
+from trajforge.envs import actions
+from trajforge.envs.browser import VIEWPORTS
+from trajforge.llm import ImagePart, TextPart, load_prompt
+from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, tool_spec
+from trajforge.schemas.config import RolloutSettings
+from trajforge.synth.handoff import (
+    IMAGE_TAG,
+    SFT_FORMATS,
+    SFT_TABLES,
+    ExportError,
+    ExportResult,
+    resolve_version,
+    staged,
+    write_card,
+)
+
+DATA_SOURCE = "trajforge"
+ABILITY = "gui_agent"
+REWARD_MODULE = Path(__file__).with_name("verl_reward.py")
+VIEWPORT: str = RolloutSettings.model_fields["viewport"].default
+"""The viewport whose reference start screen a row shows when the query was recorded in several."""
+
+SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([("query_id", pa.string()), ("app", pa.string()), ("split", pa.string()),
+                              ("index", pa.int64())])),
+    ("images", pa.list_(pa.struct([("bytes", pa.binary())]))),
+])
+
+CARD_NOTES = (
+    ("verl: `data.train_files=train.parquet data.image_key=images custom_reward_function.path=reward.py "
+     "custom_reward_function.name=compute_score`."),
+    ("The reward is the query's own checker (ground_truth: JSON {app, checker, params}) on the app's final state, "
+     "which the rollout driving the app must put in `extra_info['final_state']` (a dict or JSON string); the "
+     "model's text is never read as a state. Anything unusable scores 0.0, logged, never raised."),
+    "reward.py imports `trajforge` (the checkers are its code): install it on the training workers.",
+)
+
+
+def export_verl(catalog: Catalog, ref: str, out: Path) -> ExportResult:
+    """Write `train.parquet`, `reward.py` and the card into `out` (new or empty), all or nothing."""
+    table, _, version = ref.partition("@")
+    if table != "queries":
+        applies = ", ".join(SFT_FORMATS) if table in SFT_TABLES else "none"
+        raise ExportError(f"{ref}: the verl export takes a version of queries, whose rows are tasks with a checker "
+                          f"to reward; formats for {table!r}: {applies}")
+    if not version:
+        raise ExportError(f"{ref}: name the version of queries to export: queries@TAG or queries@SNAPSHOT")
+    _, snapshot = resolve_version(catalog, ref)
+    out = Path(out)
+    with staged(out) as tmp:  # refuses a non-empty `out` before any work
+        queries = catalog.load(table, snapshot).sort("query_id")
+        starts, read = _start_screens(catalog, queries["query_id"].to_list())
+        blobs = BlobStore(catalog.warehouse / "blobs")
+        rows = [_row(q, i, starts.get(q["query_id"]), blobs) for i, q in enumerate(queries.to_dicts())]
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp / "train.parquet")
+        shutil.copyfile(REWARD_MODULE, tmp / "reward.py")
+        screens = f"Start screens: {sum(1 for r in rows if r['images'])} of {len(rows)} rows, the first screenshot " \
+                  f"of the query's reference episode ({', '.join(f'{t}@{n}' for t, n in read.items()) or 'none'})."
+        card = write_card(tmp, catalog, table, snapshot, rows=len(rows), fmt="verl", extra=(*CARD_NOTES, screens))
+    return ExportResult(out=out, table=table, snapshot=snapshot, rows=len(rows),
+                        images=sum(len(r["images"]) for r in rows), card=out / card.name)
+
+
+def _start_screens(catalog: Catalog, query_ids: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """query_id -> the first step (screenshot_before, width, height) and viewport of its newest reference
+    episode, preferring the default rollout's viewport (queries never replayed are absent); and the versions
+    read, for the card. Reference episodes accumulate, so the latest versions hold every recording."""
+    _, episodes_snapshot = catalog.resolve("episodes@latest")
+    _, steps_snapshot = catalog.resolve("steps@latest")
+    if episodes_snapshot is None or steps_snapshot is None:
+        return {}, {}
+    read = {"episodes": episodes_snapshot, "steps": steps_snapshot}
+    episodes = catalog.scan("episodes", episodes_snapshot)
+    if "source" not in episodes.collect_schema().names():
+        return {}, read
+    firsts = (
+        episodes.filter((pl.col("source") == "reference") & pl.col("query_id").is_in(query_ids))
+        .select("episode_id", "query_id", "viewport", "finished_at")
+        .join(catalog.scan("steps", steps_snapshot).filter(pl.col("step_index") == 0)
+              .select("episode_id", "screenshot_before", "width", "height"), on="episode_id")
+        .sort([pl.col("viewport") == VIEWPORT, "finished_at"])
+        .collect()
+    )
+    return {row["query_id"]: row for row in firsts.to_dicts()}, read  # each query's last (preferred) row wins
+
+
+def _row(query: dict[str, Any], index: int, start: dict[str, Any] | None, blobs: BlobStore) -> dict[str, Any]:
+    """One verl row: the policy's first-step prompt and the checker's inputs as ground truth."""
+    viewport = start["viewport"] if start else VIEWPORT
+    size = {"width": start["width"], "height": start["height"]} if start else VIEWPORTS[VIEWPORT]["viewport"]
+    space = actions.space_for(viewport)
+    rendered = load_prompt(PROMPT).render(
+        platform=space, width=size["width"], height=size["height"], tools=tool_spec(space), function=FUNCTIONS[space],
+        task=query["instruction"], guidance=None, history=[],
+        screenshots=[ImagePart(sha256=start["screenshot_before"])] if start else [])
+    prompt = [{"role": m.role, "content": "".join(IMAGE_TAG if isinstance(p, ImagePart) else p.text
+                                                  for p in m.content if isinstance(p, ImagePart | TextPart))}
+              for m in rendered.messages]
+    if sum(m["content"].count(IMAGE_TAG) for m in prompt) != (1 if start else 0):
+        raise ExportError(f"query {query['query_id']!r}: its text holds {IMAGE_TAG!r}, which verl reads as an image")
+    truth = {"app": query["app"], "checker": query["checker"], "params": json.loads(query["checker_params_json"])}
+    return {
+        "data_source": DATA_SOURCE, "prompt": prompt, "ability": ABILITY,
+        "reward_model": {"style": "rule", "ground_truth": json.dumps(truth, sort_keys=True)},
+        "extra_info": {"query_id": query["query_id"], "app": query["app"], "split": "train", "index": index},
+        "images": [{"bytes": blobs.get(start["screenshot_before"])}] if start else [],
+    }
