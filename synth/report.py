@@ -7,14 +7,22 @@ it. Everything comes from the run's catalog rows, so the report can be rebuilt l
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import polars as pl
+import sqlalchemy as sa
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from trajforge.critics.evaluate import load_judged, score
 from trajforge.critics.stage import checker_for
-from trajforge.data.catalog import CatalogError, Lineage
+from trajforge.data.catalog import CatalogError, Lineage, SnapshotInfo
+from trajforge.data.notebook import TRAINING_TABLES, success_per_app, yield_per_night
 from trajforge.guidance.history import hardness
+from trajforge.llm.cache import responses
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import policy_summary
 from trajforge.synth import agentic_q, ces, pal_ui, pal_ui_sft
@@ -144,16 +152,16 @@ def render_filters(ws: Workspace, run_id: str) -> list[str]:
         return []
     cfg = ws.settings.synth
     lines = ["## Rejection-sampling filters (train_e2e and the role tables)", "",
-             f"Settings: tau_c {cfg.tau_c}; consistency {cfg.consistency}; weights in [{cfg.reweight_min}, "
-             f"{cfg.reweight_max}], smoothing {cfg.reweight_smoothing}.", "",
+             (f"Settings: tau_c {cfg.tau_c}; consistency {cfg.consistency}; weights in [{cfg.reweight_min}, "
+             f"{cfg.reweight_max}], smoothing {cfg.reweight_smoothing}."), "",
              "| table or reason | rows |", "| --- | --- |"]
     lines += [f"| kept in {table} | {n} |" for table, n in sorted(lineage.kept.items())]
     lines += [f"| dropped: {reason} | {n} |" for reason, n in sorted(lineage.dropped.items())]
     lines += [f"| {name} | {n} |" for name, n in sorted(lineage.stats.items()) if name.startswith("filter")]
     rows = _this_run(ws, "train_e2e", run_id)
     if rows is not None and rows.height and "weight" in rows.columns:
-        lines += ["", f"Row weights (filter 3): min {rows['weight'].min():.2f}, mean {rows['weight'].mean():.2f}, "
-                  f"max {rows['weight'].max():.2f}."]
+        lines += ["", (f"Row weights (filter 3): min {rows['weight'].min():.2f}, mean {rows['weight'].mean():.2f}, "
+                  f"max {rows['weight'].max():.2f}.")]
     return lines + [""]
 
 
@@ -169,8 +177,8 @@ def render_calibration(ws: Workspace, run_id: str) -> list[str]:
     except CatalogError as exc:
         return ["## What a verdict is worth", "", f"Not measured: {exc}.", ""]
     lines = ["## What a verdict is worth (critics against the checkers)", "",
-             f"{len(judged)} judged episodes, {sum(j.truth for j in judged)} successful by their checkers. Training "
-             f"steps are kept at a step-critic score of at least tau_c = {ws.settings.synth.tau_c}.", "",
+             (f"{len(judged)} judged episodes, {sum(j.truth for j in judged)} successful by their checkers. Training "
+             f"steps are kept at a step-critic score of at least tau_c = {ws.settings.synth.tau_c}."), "",
              "| predictor | answered | precision on success | NPV | kappa | unanswered |",
              "| --- | --- | --- | --- | --- | --- |"]
     for report in score(judged):
@@ -228,7 +236,8 @@ def render_iterations(history: pl.DataFrame) -> list[str]:
 
 
 def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
-    """Write the run's report to `<warehouse>/reports/<run_id>.md` (rebuilt the same on a resumed run)."""
+    """Write the run's report to `<warehouse>/reports/<run_id>.md`, its plots beside it as `<run_id>-*.png`
+    (rebuilt the same on a resumed run)."""
     history = ws.catalog.load("query_history")
     guidance = ws.catalog.load("guidance").filter(pl.col("run_id") == run_id)
     before = history.filter(pl.col("run_id") != run_id)
@@ -243,8 +252,211 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     report = render_report(run_id=run_id, tag=tag, history=history, guidance=guidance,
                            hard_before=hard_before)
+    snapshots = _run_snapshots(ws, run_id)
+    plots = write_plots(path.parent, run_id, yields=yield_per_night(ws.catalog), success=success_per_app(ws.catalog),
+                        labels=label_mix(ws, run_id), rejections=rejections(snapshots),
+                        cost=stage_cost(ws, run_id, snapshots), samples=training_rows(snapshots))
     path.write_text(report + "\n" + "\n".join(
         render_policy(ws, run_id) + render_yield(ws, run_id) + render_filters(ws, run_id)
         + render_calibration(ws, run_id) + render_reasoning(ws, run_id) + render_step_datasets(ws, run_id)
-        + render_iterations(history)))
+        + render_iterations(history) + plots))
     return path
+
+
+# ------------------------------------------------------------------- plots
+# Rendering is pure (frames in, a matplotlib Figure out, no pyplot state), so it is tested on hand-made
+# frames; gathering reads the catalog. Figures are drawn on the Agg canvas whatever backend is configured.
+
+PLOT_DPI = 100
+LABEL_COLORS = {"GOOD": "tab:green", "NEUTRAL": "tab:gray", "HARMFUL": "tab:red", "unparsed": "black"}
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _short(text: str, size: int = 70) -> str:
+    return text if len(text) <= size else text[: size - 1] + "…"
+
+
+def _night_figure(nights: list[str]) -> Figure:
+    """A figure wide enough for a label per night, up to a month of them."""
+    return _figure(min(16.0, max(8.0, 0.5 * len(nights))), 4.5)
+
+
+def _night_axis(ax: Axes, nights: list[str]) -> None:
+    ax.set_xticks(range(len(nights)), nights, rotation=30, ha="right", fontsize="small")
+    ax.set_xlim(-0.5, len(nights) - 0.5)
+
+
+def plot_yield(frame: pl.DataFrame) -> Figure:
+    """Training rows per table across nights (one line per table): a table falling to zero is a stage to look at."""
+    nights = list(dict.fromkeys(frame["night"]))
+    fig = _night_figure(nights)
+    ax = fig.add_subplot()
+    colors = colormaps["tab20"]  # a dozen tables: the default cycle of ten would repeat colours
+    for i, table in enumerate(sorted(set(frame["table"]))):
+        rows = dict(frame.filter(pl.col("table") == table).select("night", "rows").iter_rows())
+        ax.plot(range(len(nights)), [rows.get(night, 0) for night in nights], marker="o", label=table,
+                color=colors(i % colors.N))
+    _night_axis(ax, nights)
+    ax.set_ylabel("training rows")
+    ax.set_title("Yield per night")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))
+    return fig
+
+
+def plot_success(frame: pl.DataFrame) -> Figure:
+    """Success rate per app across nights (one line per app; the attempts are in the point labels)."""
+    nights = list(dict.fromkeys(frame["night"]))
+    fig = _night_figure(nights)
+    ax = fig.add_subplot()
+    for (app,), rows in frame.group_by("app", maintain_order=True):
+        x = [nights.index(n) for n in rows["night"]]
+        ax.plot(x, rows["rate"].to_list(), marker="o", label=app)
+        for xi, row in zip(x, rows.iter_rows(named=True)):
+            ax.annotate(f"{row['successes']}/{row['attempts']}", (xi, row["rate"]), fontsize="x-small",
+                        textcoords="offset points", xytext=(3, 3))
+    _night_axis(ax, nights)
+    ax.set_ylim(-0.05, 1.1)
+    ax.set_ylabel("success rate")
+    ax.set_title("Success per app")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))
+    return fig
+
+
+def plot_labels(frame: pl.DataFrame) -> Figure:
+    """Step labels per critic, stacked: a critic that says GOOD to everything shows at a glance."""
+    critics = sorted(set(frame["critic"]))
+    fig = _figure(6.0, 1.0 + 0.5 * len(critics))
+    ax = fig.add_subplot()
+    left = [0] * len(critics)
+    for label in sorted(set(frame["label"])):
+        counts = dict(frame.filter(pl.col("label") == label).select("critic", "rows").iter_rows())
+        widths = [counts.get(c, 0) for c in critics]
+        ax.barh(critics, widths, left=left, label=label, color=LABEL_COLORS.get(label))
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel("steps")
+    ax.set_title("Step label mix")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_rejections(frame: pl.DataFrame) -> Figure:
+    """Rows dropped per stage and reason, largest first: where the night's data went."""
+    frame = frame.sort("rows")
+    fig = _figure(9.0, 1.0 + 0.3 * frame.height)
+    ax = fig.add_subplot()
+    ax.barh([_short(f"{s}: {r}") for s, r in frame.select("stage", "reason").iter_rows()], frame["rows"].to_list())
+    ax.tick_params(axis="y", labelsize="small")
+    ax.set_xlabel("rows dropped")
+    ax.set_title("Rejections per filter")
+    return fig
+
+
+def plot_cost(frame: pl.DataFrame, samples: int) -> Figure:
+    """Model calls, tokens and wall seconds per stage, with the totals per accepted training sample in the title."""
+    fig = _figure(12.0, 1.5 + 0.3 * frame.height)
+    stages = frame["stage"].to_list()
+    for i, (column, xlabel) in enumerate((("calls", "model calls"), ("tokens", "tokens (in + out)"),
+                                          ("seconds", "wall seconds"))):
+        ax = fig.add_subplot(1, 3, i + 1)
+        ax.barh(stages, frame[column].to_list())
+        ax.set_xlim(0, max(1, frame[column].max()) * 1.05)  # a night without model calls keeps a sane axis
+        ax.invert_yaxis()  # the night's order, top down
+        ax.set_xlabel(xlabel)
+        if i:
+            ax.set_yticks(range(len(stages)), [""] * len(stages))
+    fig.suptitle(f"Cost per stage; per accepted training sample: {cost_per_sample(frame, samples)}")
+    return fig
+
+
+def cost_per_sample(frame: pl.DataFrame, samples: int) -> str:
+    """The night's model calls, tokens and seconds divided by its training rows."""
+    if not samples:
+        return "- (no training rows)"
+    return (f"{frame['calls'].sum() / samples:.2f} calls, {frame['tokens'].sum() / samples:.0f} tokens, "
+            f"{frame['seconds'].sum() / samples:.2f} s ({samples} rows)")
+
+
+def write_plots(folder: Path, stem: str, *, yields: pl.DataFrame, success: pl.DataFrame, labels: pl.DataFrame,
+                rejections: pl.DataFrame, cost: pl.DataFrame, samples: int) -> list[str]:
+    """Draw each plot as `<folder>/<stem>-<name>.png` and return the Markdown that links them (an empty frame
+    gets a sentence instead of an empty plot)."""
+    cost_note = (f"Per accepted training sample: {cost_per_sample(cost, samples)}. Calls and tokens are the model "
+                 "answers stored during each stage (the response cache; cached answers cost nothing); seconds run "
+                 "from the previous stage's commit to the stage's own.")
+    plots = (("yield", "Yield per night", yields, plot_yield, "No training rows yet.", None),
+             ("success", "Success per app", success, plot_success, "No judged attempt yet.", None),
+             ("labels", "Step label mix", labels, plot_labels, "No step critique this run.", None),
+             ("rejections", "Rejections per filter", rejections, plot_rejections, "Nothing dropped this run.", None),
+             ("cost", "Cost per stage", cost, lambda f: plot_cost(f, samples), "No stage committed this run.",
+              cost_note))
+    lines = ["## Plots", ""]
+    for name, title, frame, plot, empty, note in plots:
+        lines += [f"### {title}", ""]
+        if frame.height == 0:
+            lines += [empty, ""]
+            continue
+        file = f"{stem}-{name}.png"
+        plot(frame).savefig(folder / file, dpi=PLOT_DPI)
+        lines += [note, ""] if note else []
+        lines += [f"![{title}]({file})", ""]
+    return lines
+
+
+def _run_snapshots(ws: Workspace, run_id: str) -> list[tuple[str, SnapshotInfo]]:
+    """(table, version) of every commit the run made, in commit order."""
+    found = [(t, i) for t in ws.catalog.tables() for i in ws.catalog.history(t) if i.run_id == run_id]
+    return sorted(found, key=lambda ti: ti[1].committed_at)
+
+
+def label_mix(ws: Workspace, run_id: str) -> pl.DataFrame:
+    """Step critiques of the run per critic and label ('unparsed': the critic's answer did not parse)."""
+    rows = _this_run(ws, "step_critiques", run_id)
+    if rows is None:
+        return pl.DataFrame(schema={"critic": pl.String, "label": pl.String, "rows": pl.UInt32})
+    return (rows.with_columns(pl.col("label").fill_null("unparsed"))
+            .group_by("critic", "label").agg(pl.len().alias("rows")).sort("critic", "label"))
+
+
+def rejections(snapshots: list[tuple[str, SnapshotInfo]]) -> pl.DataFrame:
+    """Rows dropped per stage and reason (a stage's lineage repeats its drops on each table it writes: once)."""
+    by_stage = {i.lineage.stage: i.lineage.dropped for _, i in snapshots if i.lineage is not None}
+    return pl.DataFrame([{"stage": s, "reason": r, "rows": n} for s, d in by_stage.items() for r, n in d.items()],
+                        schema={"stage": pl.String, "reason": pl.String, "rows": pl.Int64})
+
+
+def training_rows(snapshots: list[tuple[str, SnapshotInfo]]) -> int:
+    """The run's accepted training samples: rows its commits wrote to the training tables."""
+    return sum(i.lineage.kept.get(t, 0) for t, i in snapshots if t in TRAINING_TABLES and i.lineage is not None)
+
+
+def stage_cost(ws: Workspace, run_id: str, snapshots: list[tuple[str, SnapshotInfo]]) -> pl.DataFrame:
+    """Per stage in the night's order: the model answers stored while it ran, their tokens, and its seconds.
+
+    A stage's window runs from the previous stage's commit (the run's start for the first) to its own last
+    commit; the answers are the response cache's rows created in the window, the only per-call record that
+    outlives the stage. Another run writing to the same catalog at the same time would be counted too.
+    """
+    ends: dict[str, datetime] = {}
+    for _, info in snapshots:
+        if info.stage is not None:
+            ends[info.stage] = max(ends.get(info.stage, info.committed_at), info.committed_at)
+    start = ws.ledger.get_run(run_id).started_at
+    calls: list[tuple[datetime, int]] = []
+    if ends and sa.inspect(ws.ledger.engine).has_table(responses.name):
+        query = sa.select(responses.c.created_at, responses.c.tokens_in, responses.c.tokens_out).where(
+            responses.c.created_at >= start, responses.c.created_at <= max(ends.values()))
+        with ws.ledger.engine.connect() as conn:
+            calls = [(at if at.tzinfo else at.replace(tzinfo=UTC), (tin or 0) + (tout or 0))
+                     for at, tin, tout in conn.execute(query)]
+    rows = []
+    for stage, end in sorted(ends.items(), key=lambda se: se[1]):
+        mine = [tokens for at, tokens in calls if start < at <= end]
+        rows.append({"stage": stage, "calls": len(mine), "tokens": sum(mine), "seconds": (end - start).total_seconds()})
+        start = end
+    return pl.DataFrame(rows, schema={"stage": pl.String, "calls": pl.Int64, "tokens": pl.Int64,
+                                      "seconds": pl.Float64})

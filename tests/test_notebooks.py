@@ -1,0 +1,62 @@
+"""Every notebook runs top to bottom on a real night, in the night's folder as a person would open it.
+
+The kernel is this interpreter (a kernelspec written for the test), so the notebooks see the package under
+test and not whatever `python3` a machine's Jupyter would pick.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+pytestmark = pytest.mark.browser
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def run_notebook(path: Path, cwd: Path, jupyter_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Execute a notebook in `cwd` on a kernel of this interpreter; a cell that raises fails the run."""
+    spec = jupyter_path / "kernels" / "trajforge-test"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "trajforge tests", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
+    monkeypatch.delenv("TRAJFORGE_CONFIG", raising=False)  # the night's trajforge.yaml, found in its folder
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="trajforge-test", resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
+def outputs(nb: Any, tag: str) -> list[Any]:
+    """The outputs of the cell with this tag."""
+    (cell,) = [c for c in nb.cells if tag in c.metadata.get("tags", [])]
+    return cell.outputs
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_on_a_night(path, replay_night, tmp_path, monkeypatch):
+    cwd, tag = replay_night
+    nb = run_notebook(path, cwd, tmp_path / "jupyter", monkeypatch)
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    if path.name == "nights.ipynb":
+        text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        assert f"train_e2e@{tag}" in text
+        assert "only one night has written train_e2e" in text, "the replay night is the catalog's only night"
+        trajectory = outputs(nb, "trajectory")
+        images = [o for o in trajectory if "image/png" in o.get("data", {})]
+        steps = [o for o in trajectory if "**step " in o.get("data", {}).get("text/markdown", "")]
+        assert steps and len(images) == len(steps), "every step is shown with its screenshot"
+        assert any("image/png" in o.get("data", {}) for o in outputs(nb, "success-plot"))
+
+
+def test_nights_notebook_is_stored_without_outputs():
+    nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / "nights.ipynb", as_version=4)
+    nbformat.validate(nb)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
