@@ -60,8 +60,8 @@ SCHEMA = pa.schema([
 ])
 
 CARD_NOTES = (
-    ("verl: `data.train_files=train.parquet data.image_key=images custom_reward_function.path=reward.py "
-     "custom_reward_function.name=compute_score`."),
+    ("verl: `data.train_files=train.parquet data.image_key=images reward.custom_reward_function.path=reward.py "
+     "reward.custom_reward_function.name=compute_score` (verl 0.9)."),
     ("The reward is the query's own checker (ground_truth: JSON {app, checker, params}) on the app's final state, "
      "which the rollout driving the app must put in `extra_info['final_state']` (a dict or JSON string); the "
      "model's text is never read as a state. Anything unusable scores 0.0, logged, never raised."),

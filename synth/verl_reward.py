@@ -1,6 +1,6 @@
 """verl's custom reward function for the `verl` export: the query's own checker on the app's final state.
 
-verl loads this file by path (`custom_reward_function.path=DIR/reward.py`, `custom_reward_function.name=
+verl loads this file by path (`reward.custom_reward_function.path=DIR/reward.py`, `reward.custom_reward_function.name=
 compute_score`, the name it looks for when none is set) and calls `compute_score(data_source, solution_str,
 ground_truth, extra_info)` once per response.
 

@@ -1,14 +1,16 @@
-"""The ms-swift and LLaMA-Factory exports opened by those trainers' own dataset loaders, after a real night.
+"""The ms-swift, LLaMA-Factory and verl exports opened by those trainers' own loaders, after a real night.
 
 Neither trainer installs beside our pins (ms-swift wants transformers < 5.20 and trl < 1.0; LLaMA-Factory
-wants transformers <= 5.6 and imports torchaudio, which has no build for our torch 2.13.0), and a whole
+wants transformers <= 5.6 and imports torchaudio, which has no build for our torch 2.13.0; verl pins vLLM
+and its torch), and a whole
 environment of theirs is several GB (torch 2.14.1 with CUDA). So each trainer's wheel and the few pure
 packages its loading code imports are installed without dependencies into a folder of their own, and the
 loader runs in a subprocess over our transformers and datasets: LLaMA-Factory with its version check off
 (DISABLE_VERSION_CHECK, its documented switch) and an empty `torchaudio` module, which only its audio
 plugin calls. What runs is the trainers' own code from file to rows: LLaMA-Factory's dataset_info.json
 parser and sharegpt converter with its media_dir resolution, ms-swift's `load_dataset` with its
-AutoPreprocessor.
+AutoPreprocessor, verl's `RLHFDataset` (with a small processor built here: no model is downloaded) and
+its custom reward function loader.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ MS_SWIFT = ["ms-swift==4.6.0", "modelscope==1.40.2", "modelscope-hub==0.5.1", "p
             "aiohttp==3.14.5", "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "frozenlist==1.8.0",
             "multidict==7.2.1", "yarl==1.25.1", "propcache==0.5.4"]
 
+VERL = ["verl==0.9.1", "ray==2.60.0", "msgpack==1.2.4", "tensordict==0.15.3", "pyvers==0.2.3"]
+
 LLAMAFACTORY_LOAD = """
 import json, sys
 from llamafactory.data.loader import _load_single_dataset
@@ -51,6 +55,30 @@ import json, sys
 from swift.dataset import load_dataset
 train, _ = load_dataset([sys.argv[1]], split_dataset_ratio=0.0, num_proc=1)
 print(json.dumps([{"messages": row["messages"], "images": [i["path"] for i in row["images"]]} for row in train]))
+"""
+
+VERL_LOAD = """
+import json, sys
+from omegaconf import OmegaConf
+from test_handoff import tiny_processor
+from verl.trainer.ppo.reward import get_custom_reward_fn
+from verl.utils.dataset.rl_dataset import RLHFDataset
+folder, scratch = sys.argv[1:]
+processor = tiny_processor()
+config = OmegaConf.create({"cache_dir": scratch, "max_prompt_length": 100000, "filter_overlong_prompts": False})
+data = RLHFDataset(f"{folder}/train.parquet", processor.tokenizer, config, processor=processor)
+score = get_custom_reward_fn(OmegaConf.create(
+    {"reward": {"custom_reward_function": {"path": f"{folder}/reward.py", "name": "compute_score"}}}))
+rows = []
+for i in range(len(data)):
+    item = data[i]
+    images = [p["image"].size for m in item["raw_prompt"] if isinstance(m["content"], list)
+              for p in m["content"] if p["type"] == "image"]
+    no_state = score(data_source=item["data_source"], solution_str="", ground_truth=item["reward_model"]["ground_truth"],
+                     extra_info=item["extra_info"])
+    rows.append({"query_id": item["extra_info"]["query_id"], "images": images, "roles": [m["role"] for m in item["raw_prompt"]],
+                 "no_state": no_state})
+print(json.dumps(rows))
 """
 
 
@@ -117,3 +145,18 @@ def test_ms_swift_reads_the_export_with_its_own_loader(train_e2e, tmp_path):
     got = sorted(([m["role"] for m in r["messages"]], r["messages"][-1]["content"],
                   [(out / p).read_bytes() for p in r["images"]]) for r in loaded)
     assert got == _stored(rows)
+
+
+def test_verl_reads_the_export_with_its_own_dataset_and_reward_loader(replay_night, tmp_path):
+    cwd, tag = replay_night
+    catalog = workspace(cwd).catalog
+    queries = catalog.load(f"queries@{tag}")
+    out = export(catalog, f"queries@{tag}", "verl", tmp_path / "verl").out
+    site = _install(VERL, tmp_path / "site")
+    loaded = _run(VERL_LOAD, [str(out), str(tmp_path / "scratch")], [site, Path(__file__).parent], tmp_path)
+    assert sorted(r["query_id"] for r in loaded) == sorted(queries["query_id"].to_list())
+    for r in loaded:
+        # verl put the start screen where <image> was, as a decoded image of the app's viewport.
+        assert r["roles"] == ["system", "user"] and len(r["images"]) == 1 and r["images"][0][0] > 0
+        # verl's loader found compute_score; with no final state to check, the answer scores nothing.
+        assert r["no_state"] == 0.0
