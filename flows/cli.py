@@ -38,7 +38,7 @@ from trajforge.envs.miniwob import MiniWoBError
 from trajforge.envs.spec import SpecError
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, load_settings
+from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, has_path, load_settings
 
 STAGES = stages()
 EXPORT_FORMATS = ("ms-swift", "llamafactory", "hf", "verl")  # for --help; synth.handoff.FORMATS decides
@@ -484,18 +484,9 @@ def _source(parts: tuple[str, ...], data: dict[str, Any], path: Path | None, env
             given = json.loads(env[name])
         except json.JSONDecodeError:
             continue
-        if _holds(given, parts[i:]):
+        if has_path(given, parts[i:]):
             return name
-    return str(path) if path is not None and _holds(data, parts) else "default"
-
-
-def _holds(data: Any, parts: tuple[str, ...]) -> bool:
-    """Whether the nested mapping `data` has the key path `parts`."""
-    for part in parts:
-        if not isinstance(data, dict) or part not in data:
-            return False
-        data = data[part]
-    return True
+    return str(path) if path is not None and has_path(data, parts) else "default"
 
 
 @app.command()

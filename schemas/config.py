@@ -539,7 +539,8 @@ def _known_variables() -> list[str]:
                   for field in info.annotation.model_fields)  # type: ignore[union-attr]
 
 
-def _has_path(data: Any, loc: tuple[Any, ...]) -> bool:
+def has_path(data: Any, loc: tuple[Any, ...]) -> bool:
+    """Whether the nested mapping `data` has the key path `loc` (a file or variable gave that value)."""
     for part in loc:
         if not isinstance(data, dict) or part not in data:
             return False
@@ -582,7 +583,7 @@ def load_settings(path: Path | None = None) -> Settings:
         for err in exc.errors():
             loc = tuple(err["loc"])
             field = ".".join(str(p) for p in loc)
-            where = str(path) if _has_path(data, loc) or err["type"] == "extra_forbidden" else (
+            where = str(path) if has_path(data, loc) or err["type"] == "extra_forbidden" else (
                 f"environment variable {ENV_PREFIX}{'__'.join(str(p) for p in loc).upper()}"
             )
             lines.append(f"{where}: field {field!r}: {err['msg']}")
