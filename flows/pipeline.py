@@ -19,6 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.envs.kinds import configured_kinds
 from trajforge.flows.stages import stages
+from trajforge.guidance.stage import load_demonstrations
 from trajforge.llm.local import SMOLLM2, checkpoint, missing_models
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ConfigError, Settings, load_settings
@@ -36,10 +37,19 @@ again; a flow started alone (a deployment, `trajforge run STAGE` in another proc
 
 
 def preflight(config: str | None, models: bool = True) -> Settings:
-    """Everything that can be checked before work starts: the config, every app spec and MiniWoB++ task and,
-    with `models`, the models the config asks (`_check_models`), so a scheduled run fails in seconds."""
+    """Everything that can be checked before work starts: the config, every app spec and MiniWoB++ task, the
+    demonstrations file and, with `models`, the models the config asks (`_check_models`), so a scheduled run
+    fails in seconds."""
     settings = load_settings(Path(config) if config else None)
     configured_kinds(settings)
+    if settings.guidance.demonstrations is not None:  # read by the guidance stage, after query generation
+        try:
+            load_demonstrations(settings.guidance.demonstrations)
+        except OSError as exc:
+            raise ConfigError(f"guidance.demonstrations: cannot read {settings.guidance.demonstrations}: "
+                              f"{exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"guidance.demonstrations: {exc}") from None
     if models:
         _check_models(settings)
     return settings

@@ -66,6 +66,28 @@ def test_preflight_names_the_unset_key_variable(tmp_path: Path, trajforge_cli: s
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.parametrize(("demonstrations", "error"), [
+    (None, "guidance.demonstrations: cannot read {path}: No such file or directory"),
+    ('{"query_id": "q1", "instruction": "Open the cart", "steps": []}\n\n{"query_id": 3}\n',
+     "guidance.demonstrations: {path}:3: field 'query_id': Input should be a valid string"),
+    ('{"query_id": "q1", "instruction": "Open the cart", "steps": [{"action_type": "click"}]\n',
+     "guidance.demonstrations: {path}:1: field '': Invalid JSON"),
+])
+def test_preflight_names_a_bad_demonstrations_file_and_line(tmp_path: Path, trajforge_cli: str,
+                                                            demonstrations: str | None, error: str) -> None:
+    """The guidance stage reads the demonstrations after query generation; the run refuses them before any work
+    (a whole minute of a night, before this check)."""
+    path = tmp_path / "demos.jsonl"
+    if demonstrations is not None:
+        path.write_text(demonstrations)
+    (tmp_path / "trajforge.yaml").write_text(f"guidance:\n  demonstrations: {path}\n")
+    proc = run(trajforge_cli, tmp_path, "run", "nightly")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: {error.format(path=path)}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
 def test_view_of_an_unknown_run_is_a_usage_error(tmp_path: Path, trajforge_cli: str) -> None:
     proc = run(trajforge_cli, tmp_path, "view", "no-such-run")
     assert proc.returncode == 2, proc.stdout + proc.stderr
