@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -60,9 +61,10 @@ class AppKind(ABC):
     def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
         """Whether a task succeeded, read from the state its app ended in, and why."""
 
-    def tasks(self, settings: Settings, *, run_id: str) -> list[Query]:
-        """The kind's own tasks (a suite's); a web app's queries come from query generation instead."""
-        return []
+    def tasks(self, settings: Settings, *, run_id: str) -> tuple[list[Query], Counter[str]]:
+        """The kind's own tasks (a suite's), and those that could not be made, counted by reason; a web app's
+        queries come from query generation instead."""
+        return [], Counter()
 
     def task_source(self) -> dict[str, str]:
         """What made `tasks()`, for the stage's lineage (model name -> version)."""
@@ -106,7 +108,7 @@ class MiniWoBKind(AppKind):
     def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
         return check_reward(params, state)
 
-    def tasks(self, settings: Settings, *, run_id: str) -> list[Query]:
+    def tasks(self, settings: Settings, *, run_id: str) -> tuple[list[Query], Counter[str]]:
         cfg = settings.query_gen
         return miniwob_queries(cfg.miniwob_tasks, cfg.miniwob_seeds, run_id=run_id, max_steps=cfg.miniwob_max_steps,
                                chromium=settings.rollout.chromium)
@@ -129,8 +131,8 @@ class AndroidKind(AppKind):
     def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
         return check_probe(params, state)
 
-    def tasks(self, settings: Settings, *, run_id: str) -> list[Query]:
-        return android_queries(settings.query_gen.android_tasks, run_id=run_id)
+    def tasks(self, settings: Settings, *, run_id: str) -> tuple[list[Query], Counter[str]]:
+        return android_queries(settings.query_gen.android_tasks, run_id=run_id), Counter()
 
     def unavailable(self, settings: RolloutSettings) -> str | None:
         return None if settings.android.devices else "no device configured (rollout.android.devices)"

@@ -14,16 +14,23 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import logging
 import threading
+from collections import Counter
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from trajforge.envs.browser import BrowserEnv
+from playwright.async_api import Error as PlaywrightError
+from pydantic import ValidationError
+
+from trajforge.envs.browser import BrowserEnv, EnvFault
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import Query
+
+logger = logging.getLogger(__name__)
 
 APP = "miniwob"
 """The app name of every MiniWoB++ query: the suite is one kind, its tasks the queries' paths."""
@@ -112,10 +119,13 @@ class MiniWoBEnv:
         url = start_url or self.env.start_url or ""
         _, seed = task_and_seed(url)
         self.env.reset(session_id, url, app_protocol=False)
-        return self.env.page.evaluate(
+        utterance = self.env.page.evaluate(
             f"""() => {{ Math.seedrandom({seed}); core.EPISODE_MAX_TIME = {self.max_time_ms};
                 core.startEpisodeReal(); return core.getUtterance(); }}"""
         )
+        # The natural-language variants (email-inbox-nl-turk, ...) wrap it with the answer's fields outside
+        # their 'test' data mode: {"utterance": ..., "fields": ...}; the fields are the solution, not the task.
+        return utterance["utterance"] if isinstance(utterance, dict) else utterance
 
     def app_state(self) -> dict[str, Any]:
         """The episode's reward as the page's JavaScript computed it."""
@@ -136,32 +146,40 @@ def check_reward(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, s
 
 def miniwob_queries(
     tasks: list[str], seeds: list[int], *, run_id: str, max_steps: int, chromium: Path
-) -> list[Query]:
-    """One query per (task, seed); the instruction is the utterance that seed generates."""
+) -> tuple[list[Query], Counter[str]]:
+    """One query per (task, seed); the instruction is the utterance that seed generates. A problem that cannot
+    be made (its page fails to load or start, its utterance is no instruction) is dropped with the reason, and
+    the other tasks go on."""
     check_tasks(tasks)
     generator = f"miniwob@{version('miniwob')}"
     now = datetime.now(timezone.utc)
     rows: list[Query] = []
+    dropped: Counter[str] = Counter()
     with MiniWoBServer() as server:
         env = MiniWoBEnv(BrowserEnv(viewport="desktop", chromium=chromium))
         try:
             for task in tasks:
                 for seed in seeds:
-                    utterance = env.reset(f"{task}-{seed}", server.task_url(task, seed))
-                    rows.append(Query(
-                        run_id=run_id,
-                        query_id=short_id(APP, task, str(seed)),
-                        app=APP,
-                        source="miniwob",
-                        instruction=utterance,
-                        path=[task],
-                        slots_json=json.dumps({"seed": seed}),
-                        checker="reward",
-                        checker_params_json=json.dumps({"task": task, "seed": str(seed)}),
-                        max_steps=max_steps,
-                        generator=generator,
-                        created_at=now,
-                    ))
+                    try:
+                        utterance = env.reset(f"{task}-{seed}", server.task_url(task, seed))
+                        rows.append(Query(
+                            run_id=run_id,
+                            query_id=short_id(APP, task, str(seed)),
+                            app=APP,
+                            source="miniwob",
+                            instruction=utterance,
+                            path=[task],
+                            slots_json=json.dumps({"seed": seed}),
+                            checker="reward",
+                            checker_params_json=json.dumps({"task": task, "seed": str(seed)}),
+                            max_steps=max_steps,
+                            generator=generator,
+                            created_at=now,
+                        ))
+                    except (EnvFault, PlaywrightError, ValidationError) as exc:
+                        reason = str(exc).strip().splitlines()[0][:160]
+                        logger.warning("MiniWoB++ task %s seed %s dropped: %s", task, seed, reason)
+                        dropped[f"miniwob task {task}: {reason}"] += 1
         finally:
             env.close()
-    return rows
+    return rows, dropped

@@ -224,7 +224,9 @@ def run_query_gen(units: list[AppUnit], ws: Workspace, run_id: str, _: str) -> S
         viewport=ws.settings.rollout.viewport, pages=PageLog(ws.blobs, run_id),
     )
     for kind in kinds:
-        out.rows["queries"].extend(kind.tasks(ws.settings, run_id=run_id))
+        tasks, dropped = kind.tasks(ws.settings, run_id=run_id)
+        out.rows["queries"].extend(tasks)
+        out.dropped.update(dropped)
         out.models.update(kind.task_source())
     return out
 

@@ -83,13 +83,24 @@ def test_a_wrong_click_or_no_action_is_a_failure(env, server):
 
 
 def test_queries_carry_task_seed_and_utterance(chromium):
-    queries = miniwob_queries(["click-button", "enter-text"], [0, 1], run_id="r", max_steps=6, chromium=chromium)
+    queries, dropped = miniwob_queries(["click-button", "enter-text"], [0, 1], run_id="r", max_steps=6,
+                                       chromium=chromium)
+    assert not dropped
     assert [q.path for q in queries] == [["click-button"]] * 2 + [["enter-text"]] * 2
     assert len({q.query_id for q in queries}) == 4
     q = queries[2]
     assert q.app == "miniwob" and q.source == "miniwob" and q.checker == "reward"
     assert json.loads(q.checker_params_json) == {"task": "enter-text", "seed": "0"}
     assert q.instruction.startswith("Enter ") and q.instruction.endswith("press Submit.")
+
+
+def test_a_natural_language_variant_gives_its_utterance_not_its_answer_fields(chromium):
+    """email-inbox-nl-turk's page wraps the utterance with the solution's fields; the night once failed on it."""
+    queries, dropped = miniwob_queries(["email-inbox-nl-turk", "click-button"], [0], run_id="r", max_steps=6,
+                                       chromium=chromium)
+    assert not dropped and [q.path[0] for q in queries] == ["email-inbox-nl-turk", "click-button"]
+    assert isinstance(queries[0].instruction, str) and len(queries[0].instruction) > 10
+    assert "fields" not in queries[0].instruction
 
 
 def test_task_urls_round_trip(server):
