@@ -7,6 +7,7 @@ and the field: a typo in a nightly config must not silently run the defaults.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import typing
@@ -539,6 +540,17 @@ def _known_variables() -> list[str]:
                   for field in info.annotation.model_fields)  # type: ignore[union-attr]
 
 
+def _variable_of(loc: tuple[Any, ...]) -> str | None:
+    """The set environment variable that gave the value at `loc`: TRAJFORGE_ROLLOUT__CONTEXTS, or a whole
+    section's TRAJFORGE_ROLLOUT; None when the value came from the file."""
+    present = {name.upper(): name for name in os.environ}
+    for end in range(len(loc), 0, -1):
+        name = f"{ENV_PREFIX}{'__'.join(str(p) for p in loc[:end])}".upper()
+        if name in present:
+            return present[name]
+    return None
+
+
 def has_path(data: Any, loc: tuple[Any, ...]) -> bool:
     """Whether the nested mapping `data` has the key path `loc` (a file or variable gave that value)."""
     for part in loc:
@@ -567,15 +579,24 @@ def load_settings(path: Path | None = None) -> Settings:
     if path is not None:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{path}: cannot read config: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+        except yaml.MarkedYAMLError as exc:
+            mark, context = exc.problem_mark or exc.context_mark, exc.context_mark
+            at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            opened = (f" ({exc.context} from {context.line + 1}:{context.column + 1})"
+                      if exc.context and context is not None and exc.problem else "")
+            raise ConfigError(f"{path}{at}: not valid YAML: {exc.problem or exc.context}{opened}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(data).__name__}")
     for name in os.environ:
         if name.upper().startswith(ENV_PREFIX) and name.upper() not in _NOT_SETTINGS and not _is_setting(name):
-            raise ConfigError(
-                f"environment variable {name}: unknown setting (known: {', '.join(_known_variables())}, ...)"
-            )
+            close = difflib.get_close_matches(name.upper(), _known_variables(), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"environment variable {name}: unknown setting{hint} "
+                              "(`trajforge config show` lists every setting)")
     try:
         return Settings(**data)
     except ValidationError as exc:
@@ -583,8 +604,7 @@ def load_settings(path: Path | None = None) -> Settings:
         for err in exc.errors():
             loc = tuple(err["loc"])
             field = ".".join(str(p) for p in loc)
-            where = str(path) if has_path(data, loc) or err["type"] == "extra_forbidden" else (
-                f"environment variable {ENV_PREFIX}{'__'.join(str(p) for p in loc).upper()}"
-            )
+            variable = _variable_of(loc)  # the environment overrides the file
+            where = f"environment variable {variable}" if variable else str(path)
             lines.append(f"{where}: field {field!r}: {err['msg']}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -57,10 +57,32 @@ def test_invalid_environment_value_names_variable(monkeypatch):
         load_settings()
 
 
-def test_unknown_environment_variable(monkeypatch):
+def test_an_environment_value_is_blamed_on_its_variable_not_on_the_file(tmp_path, monkeypatch):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("rollout:\n  contexts: 2\n")
+    monkeypatch.setenv("TRAJFORGE_ROLLOUT__CONTEXTS", "abc")
+    with pytest.raises(ConfigError, match="environment variable TRAJFORGE_ROLLOUT__CONTEXTS: field 'rollout.contexts'"):
+        load_settings(cfg)
+
+
+def test_unknown_environment_variable_suggests_the_setting_it_resembles(monkeypatch):
     monkeypatch.setenv("TRAJFORGE_ROLOUT__CONTEXTS", "2")
-    with pytest.raises(ConfigError, match="TRAJFORGE_ROLOUT__CONTEXTS: unknown setting"):
+    with pytest.raises(ConfigError, match="TRAJFORGE_ROLOUT__CONTEXTS: unknown setting; did you mean "
+                                          "TRAJFORGE_ROLLOUT__CONTEXTS\\?") as caught:
         load_settings()
+    assert len(str(caught.value)) < 200  # a hint, not every setting there is
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("rollout:\n  contexts: [1\n", (r"trajforge.yaml:3:1: not valid YAML: expected ',' or '\]', but got "
+                                      r"'<stream end>' \(while parsing a flow sequence from 2:13\)")),
+    ("rollout:\n  a: b\n c: d\n", r"trajforge.yaml:3:2: not valid YAML: expected <block end>"),
+])
+def test_malformed_yaml_names_the_line_and_column(tmp_path, text, where):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=where):
+        load_settings(cfg)
 
 
 def test_catalog_url_is_a_secret_and_kept_out_of_hashes(tmp_path):
