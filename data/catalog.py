@@ -93,6 +93,11 @@ class UnknownRef(CatalogError, LookupError):
     """A table, snapshot or tag that does not exist; the message names the ref."""
 
 
+class CorruptData(CatalogError):
+    """A data file of a version is missing, truncated or not Parquet: the message names the table, the version
+    and the file."""
+
+
 class Lineage(BaseModel):
     """Where a snapshot's rows came from: enough to rerun the stage or explain a row.
 
@@ -505,8 +510,29 @@ class Catalog:
         return pl.scan_iceberg(tbl, snapshot_id=snapshot_id)
 
     def load(self, ref_or_table: str, version: int | str | None = None) -> pl.DataFrame:
-        """One version read into memory."""
-        return self.scan(ref_or_table, version).collect()
+        """One version read into memory; a data file that cannot be read is named (CorruptData)."""
+        name, snapshot_id = self.resolve(self._ref(ref_or_table, version))
+        try:
+            return self._scan(name, snapshot_id).collect()
+        except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
+            raise self._corruption(name, snapshot_id, exc) from exc
+
+    def _corruption(self, name: str, snapshot_id: int | None, exc: Exception) -> Exception:
+        """Which data file of the version failed to read, as a CorruptData error; `exc` itself when each file
+        reads (the failure was not the data's)."""
+        tbl = self._tables.get(name)
+        if tbl is None or snapshot_id is None:
+            return exc
+        for task in tbl.scan(snapshot_id=snapshot_id).plan_files():
+            path = unquote(urlparse(task.file.file_path).path)
+            try:
+                pq.read_table(path)
+            except (pa.ArrowException, OSError) as bad:
+                why = str(bad).splitlines()[0].replace(f"Could not open Parquet input source '{path}': ", "")
+                return CorruptData(
+                    f"{name}@{snapshot_id}: data file {path} cannot be read ({why}); restore it "
+                    f"from a backup, or point the table's tag at an earlier version (`trajforge datasets history {name}`)")
+        return exc
 
     def history(self, table: str) -> list[SnapshotInfo]:
         """Every snapshot of the table, oldest first, with tags and lineage."""

@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy
 from polars.exceptions import PerformanceWarning
 
-from trajforge.data.catalog import TABLE_PROPERTIES, Catalog, CatalogError, Lineage, UnknownRef
+from trajforge.data.catalog import TABLE_PROPERTIES, Catalog, CatalogError, CorruptData, Lineage, UnknownRef
 from trajforge.schemas.records import Step
 from trajforge.schemas.tables import RowError, arrow_schema, to_arrow
 
@@ -128,6 +128,22 @@ def test_commit_files_from_shards(catalog: Catalog) -> None:
     assert catalog.load("steps").height == 12
     (info,) = catalog.history("steps")
     assert info.snapshot_id == snapshot and info.added_rows == 12 and info.stage == "rollout"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_data_file_is_named_with_its_table_and_version(catalog: Catalog, damage: str) -> None:
+    folder = catalog.data_dir("steps")
+    paths = []
+    for shard in range(2):
+        paths.append(folder / f"shard-{shard}.parquet")
+        pq.write_table(to_arrow("steps", [step_row(f"s{shard}-{i}") for i in range(4)]), paths[-1])
+    snapshot = catalog.commit_files("steps", paths, lineage("rollout-1", stage="rollout", kept={"steps": 8}))
+    if damage == "truncated":  # a copy cut short, a disk that filled
+        paths[1].write_bytes(paths[1].read_bytes()[:200])
+    else:
+        paths[1].unlink()
+    with pytest.raises(CorruptData, match=f"steps@{snapshot}: data file {paths[1]} cannot be read"):
+        catalog.load("steps")
 
 
 def test_time_travel(catalog: Catalog) -> None:
