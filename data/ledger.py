@@ -9,13 +9,21 @@ production) so that every worker sees the same state.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import secrets
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+
+from trajforge.schemas.ids import digest
 
 _meta = sa.MetaData()
 
@@ -56,6 +64,10 @@ shards = sa.Table(
 )
 
 
+class RunLocked(RuntimeError):
+    """Another run holds the warehouse for writing."""
+
+
 @dataclass(frozen=True)
 class Run:
     run_id: str
@@ -80,7 +92,10 @@ def _now() -> datetime:
 
 
 class Ledger:
-    def __init__(self, url: str):
+    def __init__(self, url: str, scope: str = ""):
+        """`scope` names the warehouse within the database (its catalog and namespace): runs on two warehouses
+        that share one PostgreSQL database do not hold each other up."""
+        self.scope = scope
         self.engine = sa.create_engine(url, future=True)
         _meta.create_all(self.engine)
         self._add_missing_columns()
@@ -117,6 +132,54 @@ class Ledger:
                 runs.insert().values(run_id=run_id, flow=flow, identity=identity, status="running", started_at=started)
             )
             return Run(run_id, flow, started, resumed=False)
+
+    @contextmanager
+    def writing(self, run: str) -> Iterator[None]:
+        """Hold the warehouse for a run of `run` (nightly, or a stage's name) while the block runs: a second
+        run started meanwhile stops at once with RunLocked, naming the run that holds it, instead of
+        interleaving its commits with this one's.
+
+        PostgreSQL: a session advisory lock on a connection of its own (any machine that shares the catalog
+        sees it); SQLite: an flock on a file beside the database. Either is released by the operating
+        system or the server when the process dies, so a crashed run never leaves the warehouse locked.
+        """
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:  # no open transaction
+                key = int(digest(f"trajforge-writer:{self.engine.url.database}:{self.scope}", 15), 16)
+                if not conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
+                    raise RunLocked(f"another run is writing to this warehouse ({self.scope or 'catalog'} in database "
+                                    f"{self.engine.url.database!r} on {self.engine.url.host}); runs not finished: "
+                                    f"{self._unfinished()}; "
+                                    "wait for it to finish, or stop it (a stopped run resumes on its rerun)")
+                try:
+                    yield
+                finally:
+                    conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            return
+        path = Path(f"{self.engine.url.database}.writer.lock")
+        with path.open("a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                raise RunLocked(f"another run is writing to this warehouse ({lock.read().strip() or 'unknown run'}, "
+                                f"lock {path}); wait for it to finish, or stop it (a stopped run resumes on its "
+                                "rerun)") from None
+            lock.truncate(0)
+            lock.write(f"a {run} run, pid {os.getpid()} on {socket.gethostname()}, since {_now():%Y-%m-%d %H:%M:%S} UTC")
+            lock.flush()
+            try:
+                yield
+            finally:
+                lock.truncate(0)
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _unfinished(self) -> str:
+        """The newest runs the ledger says are unfinished (the holder among them, or crashed ones)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(runs.c.run_id).where(runs.c.status == "running")
+                                .order_by(runs.c.started_at.desc()).limit(3)).all()
+        return ", ".join(r.run_id for r in rows) or "none recorded"
 
     def get_run(self, run_id: str) -> Run:
         with self.engine.connect() as conn:

@@ -185,42 +185,43 @@ def run(
     settings, ws = _open(config, models=True)
     cfg = str(config) if config else None
     input_snapshot: int | None = None
-    if stage == "nightly":
-        if input:
-            raise _fail("--input applies to a single stage, not to nightly")
-        run_ = ws.ledger.open_run("nightly", run_identity("nightly", settings), fresh=fresh)
-        call = nightly(config=cfg, run_id=run_.run_id)
-    else:
-        reads = STAGES[stage].reads
-        if input and reads is None:
-            raise _fail(f"stage {stage!r} reads no table; it takes no --input")
-        if reads is not None:
-            try:
-                table, input_snapshot = ws.catalog.resolve(input or f"{reads}@latest")
-            except CatalogError as exc:
-                raise _fail(str(exc)) from None
-            if table != reads:
-                raise _fail(f"stage {stage!r} reads {reads!r}, not {table!r}")
-            if input_snapshot is None:
-                raise _fail(f"table {reads!r} has no version yet; run the stage that writes it first")
-        identity = run_identity(stage, settings, str(input_snapshot))
-        run_ = ws.ledger.open_run(stage, identity, fresh=fresh)
-        call = STAGE_FLOWS[stage](input_snapshot=input_snapshot, run_id=run_.run_id, config=cfg)
-    console.print(f"{'resuming' if run_.resumed else 'starting'} run [bold]{run_.run_id}[/]")
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(ws, run_.run_id, stop), daemon=True)
-    watcher.start()
-    try:
-        with run_workspace(run_.run_id, ws):  # the flows use this workspace: the config is loaded once
-            result = asyncio.run(call)
-    finally:
-        stop.set()
-        watcher.join()
-    if stage == "nightly":
-        _summary(ws, result["snapshots"], result["tag"])
-    else:
-        ws.ledger.finish_run(run_.run_id, {"snapshots": result})
-        _summary(ws, result, None)
+    with ws.ledger.writing(stage):  # one run writes to a warehouse at a time: a second stops here, naming it
+        if stage == "nightly":
+            if input:
+                raise _fail("--input applies to a single stage, not to nightly")
+            run_ = ws.ledger.open_run("nightly", run_identity("nightly", settings), fresh=fresh)
+            call = nightly(config=cfg, run_id=run_.run_id)
+        else:
+            reads = STAGES[stage].reads
+            if input and reads is None:
+                raise _fail(f"stage {stage!r} reads no table; it takes no --input")
+            if reads is not None:
+                try:
+                    table, input_snapshot = ws.catalog.resolve(input or f"{reads}@latest")
+                except CatalogError as exc:
+                    raise _fail(str(exc)) from None
+                if table != reads:
+                    raise _fail(f"stage {stage!r} reads {reads!r}, not {table!r}")
+                if input_snapshot is None:
+                    raise _fail(f"table {reads!r} has no version yet; run the stage that writes it first")
+            identity = run_identity(stage, settings, str(input_snapshot))
+            run_ = ws.ledger.open_run(stage, identity, fresh=fresh)
+            call = STAGE_FLOWS[stage](input_snapshot=input_snapshot, run_id=run_.run_id, config=cfg)
+        console.print(f"{'resuming' if run_.resumed else 'starting'} run [bold]{run_.run_id}[/]")
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch, args=(ws, run_.run_id, stop), daemon=True)
+        watcher.start()
+        try:
+            with run_workspace(run_.run_id, ws):  # the flows use this workspace: the config is loaded once
+                result = asyncio.run(call)
+        finally:
+            stop.set()
+            watcher.join()
+        if stage == "nightly":
+            _summary(ws, result["snapshots"], result["tag"])
+        else:
+            ws.ledger.finish_run(run_.run_id, {"snapshots": result})
+            _summary(ws, result, None)
 
 
 @datasets.command("list")

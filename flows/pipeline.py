@@ -141,11 +141,11 @@ def _stage_flow(stage: Stage):
     ) -> dict[str, int]:
         """Run one stage; without a run id it is a run of its own, resumed if it crashed."""
         ws = _workspace(run_id, config)
-        own_run = run_id is None
-        if own_run:
+        if run_id is not None:  # a stage of a run its caller holds (the nightly, the CLI)
+            return await _run_stage(stage, ws, run_id, input_snapshot)
+        with ws.ledger.writing(stage.name):
             run_id = ws.ledger.open_run(stage.name, run_identity(stage.name, ws.settings, str(input_snapshot))).run_id
-        snapshots = await _run_stage(stage, ws, run_id, input_snapshot)
-        if own_run:
+            snapshots = await _run_stage(stage, ws, run_id, input_snapshot)
             ws.ledger.finish_run(run_id, {"snapshots": snapshots})
         return snapshots
 
@@ -165,8 +165,14 @@ async def nightly(config: str | None = None, run_id: str | None = None) -> dict[
     """The stages of `flows.stages.NIGHTLY` in order, each on the version of its input this run made; then
     every new version tagged nightly-YYYY-MM-DD and the run's report written."""
     ws = _workspace(run_id, config)
-    if run_id is None:
-        run_id = ws.ledger.open_run("nightly", run_identity("nightly", ws.settings)).run_id
+    if run_id is None:  # a run of its own (a deployment's): it holds the warehouse; the CLI holds it for its runs
+        with ws.ledger.writing("nightly"):
+            run_id = ws.ledger.open_run("nightly", run_identity("nightly", ws.settings)).run_id
+            return await _nightly(ws, run_id, config)
+    return await _nightly(ws, run_id, config)
+
+
+async def _nightly(ws: Workspace, run_id: str, config: str | None) -> dict[str, Any]:
     snapshots: dict[str, int] = {}
     with run_workspace(run_id, ws):
         for name, stage in STAGES.items():

@@ -57,7 +57,8 @@ class Workspace:
     @classmethod
     def open(cls, settings: Settings) -> Workspace:
         catalog = Catalog.from_settings(settings.warehouse)
-        return cls(settings, catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri))
+        return cls(settings, catalog, BlobStore(catalog.warehouse / "blobs"),
+                   Ledger(catalog.uri, scope=f"{catalog.iceberg.name}/{catalog.namespace}"))
 
     def run_tag(self, run_id: str) -> str:
         """The tag a run's versions get: nightly-YYYY-MM-DD for a nightly run, else the run id."""
