@@ -43,6 +43,7 @@ from playwright.async_api import (
     BrowserContext,
     CDPSession,
     Page,
+    Response,
     async_playwright,
 )
 from playwright.async_api import Error as PlaywrightError
@@ -254,6 +255,8 @@ class BrowserEnv:
         self._cdp: CDPSession | None = None
         self._main_frame = ""
         self._nav_done = asyncio.Event()
+        self._document: tuple[int, str] | None = None
+        """The main frame's last document response: (HTTP status, URL)."""
         self._broken = False  # a fault happened: the next reset opens a new context
         self._origins: set[str] = set()  # origins the context visited, cleared at reset
         self._seen: tuple[list[dict[str, Any]], dict[int, Box]] = ([], {})  # the last observation's tree and boxes
@@ -328,6 +331,7 @@ class BrowserEnv:
         # A page that dies while loading never finishes its navigation: stop waiting for it.
         self._page.on("close", lambda _: self._nav_done.set())
         self._page.on("crash", lambda _: self._nav_done.set())
+        self._page.on("response", self._on_response)
         self._cdp.on("Page.frameRequestedNavigation", self._on_nav_requested)
         self._cdp.on("Page.frameNavigated", self._on_navigated)
         self._cdp.on("Page.loadEventFired", self._on_nav_done)
@@ -350,6 +354,13 @@ class BrowserEnv:
         parts = urlsplit(params["frame"].get("url", ""))
         if parts.scheme in ("http", "https"):
             self._origins.add(f"{parts.scheme}://{parts.netloc}")
+
+    def _on_response(self, response: Response) -> None:
+        """Remember the main frame's last document answer: a page that loads with a server error is the app's
+        fault, not the agent's (`_observe` raises it as one)."""
+        if response.request.is_navigation_request() and self._page is not None \
+                and response.frame == self._page.main_frame:
+            self._document = (response.status, response.url)
 
     def _on_nav_done(self, params: dict[str, Any]) -> None:
         if params.get("frameId", self._main_frame) == self._main_frame:
@@ -409,6 +420,7 @@ class BrowserEnv:
             response = await self._context.request.post(self._origin + "/__reset", timeout=self.timeout_s * 1000)
             if not response.ok:
                 raise EnvFault(f"POST {self._origin}/__reset answered {response.status}", "app_down")
+        self._document = None
         await self._page.goto(url, wait_until="load")
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
@@ -417,8 +429,8 @@ class BrowserEnv:
     def observe(self) -> Observation:
         """Screenshot and accessibility tree (with element boxes) of the current page.
 
-        Raises EnvFault (app_down) when the page is the browser's error page: the app's
-        server could not be reached.
+        Raises EnvFault (app_down) when the page is the browser's error page (the app's server
+        could not be reached) or the app answered its document with a server error (5xx).
         """
         obs = self._call(self._observe(), "observe")
         if self.on_observe is not None:
@@ -436,6 +448,8 @@ class BrowserEnv:
         document_url = strings[doc["documentURL"]] if doc["documentURL"] >= 0 else ""
         if document_url.startswith("chrome-error://"):
             raise EnvFault(f"the page could not be loaded ({self._page.url})", "app_down")
+        if self._document is not None and self._document[0] >= 500:
+            raise EnvFault(f"the app answered HTTP {self._document[0]} for {self._document[1]}", "app_down")
         png = base64.b64decode(shot["data"])
         width, height = png_size(png)
         boxes = layout_boxes(snapshot)

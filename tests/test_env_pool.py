@@ -5,6 +5,7 @@ killed browser, a server that is down, one that never answers) classified and re
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
@@ -231,6 +232,57 @@ def test_app_server_down_is_classified(chromium: Path, shop: BundledApp, server:
         with pytest.raises(EnvFault) as fault:
             env.observe()
         assert fault.value.kind == "app_down"
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    """An app whose pages fail: each is an error page with a body, as a crashed handler serves it."""
+
+    def do_GET(self) -> None:
+        body = b"<html><body><h1>Internal Server Error</h1><button>Retry</button></body></html>"
+        self.send_response(500)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # its reset endpoint still works: only its pages fail
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.browser
+def test_a_page_that_loads_with_a_server_error_is_an_env_fault_not_a_failed_task(
+        chromium: Path, shop: BundledApp, server: AppServer, tmp_path: Path) -> None:
+    """The page renders (a heading, a button a policy could click), yet it is the app failing: the episode is
+    an environment fault, rerun by the rollout, never a failure to be learned from."""
+    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=failing.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{failing.server_address[1]}/"
+    try:
+        with BrowserEnv(chromium=chromium) as env:
+            env.reset("s500", url)
+            with pytest.raises(EnvFault, match=f"HTTP 500 for {url}") as fault:
+                env.observe()
+            assert fault.value.kind == "app_down"
+            episode, steps = run_episode(env, ReplayPolicy(shop.spec), goal_query(shop.spec, "cart", "q-500"),
+                                         run_id="t", episode_id="ep-500", blobs=BlobStore(tmp_path / "blobs"),
+                                         start_url=url)
+            assert (episode.status, episode.fault_kind, steps) == ("env_fault", "app_down", [])
+            # Mid-episode: a link on a working page leads to the failing one; the next reset clears it.
+            env.reset("up", server.base_url + "/")
+            env.observe()
+            env.page.evaluate("url => document.body.insertAdjacentHTML('afterbegin', "
+                              "`<a href='${url}' style='position:fixed;left:0;top:0;padding:20px'>Gone</a>`)", url)
+            assert env.act({"type": "click", "x": 10, "y": 10}) is None
+            with pytest.raises(EnvFault, match="HTTP 500"):
+                env.observe()
+            env.reset("up-again", server.base_url + "/")
+            assert env.observe().title
+    finally:
+        failing.shutdown()
 
 
 @pytest.mark.browser
