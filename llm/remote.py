@@ -2,8 +2,9 @@
 
 Concurrency is bounded per endpoint, so a nightly run with thousands of requests keeps
 a server busy without drowning it; a 429, a 5xx, a timeout or a lost connection is
-retried with jittered exponential backoff (tenacity; the openai client's own retries
-are off, so there is one retry policy, the configured one). A slot is held only while a
+retried with jittered exponential backoff, or after the wait a server's Retry-After asks
+(tenacity; the openai client's own retries are off, so there is one retry policy, the
+configured one). A slot is held only while a
 request is in flight, never during a backoff wait.
 
 The client and its slots belong to one event loop: a gateway used from several loops
@@ -13,9 +14,12 @@ The client and its slots belong to one event loop: a gateway used from several l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import weakref
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 
 import openai
 from openai.types.chat import ChatCompletion
@@ -27,6 +31,7 @@ from tenacity import (
     stop_after_attempt,
     wait_random_exponential,
 )
+from tenacity.wait import wait_base
 
 from trajforge.llm.calls import Completion, Enforcement, Sampling
 from trajforge.llm.messages import ImagePart, Message
@@ -37,6 +42,42 @@ logger = logging.getLogger(__name__)
 
 # 429, 5xx, and lost connections including timeouts (APITimeoutError is an APIConnectionError).
 RETRIED = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError)
+
+
+MAX_RETRY_AFTER_S = 120.0
+"""Longest wait a server's Retry-After is honoured for; a longer one is cut to it (and logged with the wait)."""
+
+
+def retry_after(exc: BaseException | None) -> float | None:
+    """The seconds a 429 or 503 asked the client to wait (Retry-After: seconds or an HTTP date; the
+    `retry-after-ms` some servers send); None when it asked nothing."""
+    response = getattr(exc, "response", None)
+    headers = getattr(response, "headers", None)
+    if headers is None:
+        return None
+    if (ms := headers.get("retry-after-ms")) is not None:
+        with contextlib.suppress(ValueError):
+            return max(float(ms) / 1000, 0.0)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        with contextlib.suppress(TypeError, ValueError):
+            return max((parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds(), 0.0)
+    return None
+
+
+class _WaitRetryAfter(wait_base):
+    """The server's Retry-After when it gave one (capped), else the jittered exponential backoff."""
+
+    def __init__(self, backoff: wait_base) -> None:
+        self.backoff = backoff
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        asked = retry_after(retry_state.outcome.exception() if retry_state.outcome else None)
+        return min(asked, MAX_RETRY_AFTER_S) if asked is not None else self.backoff(retry_state)
 
 
 class BackendError(Exception):
@@ -116,7 +157,7 @@ class OpenAIBackend:
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(RETRIED),
             stop=stop_after_attempt(self.settings.max_retries + 1),
-            wait=wait_random_exponential(multiplier=self.settings.backoff_s, max=60),
+            wait=_WaitRetryAfter(wait_random_exponential(multiplier=self.settings.backoff_s, max=60)),
             before_sleep=self._log_retry,
             reraise=True,
         )

@@ -15,6 +15,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 from typing import Any, Literal
 
 import pytest
@@ -56,6 +58,7 @@ class Reply:
     delay: float = 0.0
     raw: str | None = None
     finish_reason: str = "stop"
+    headers: dict[str, str] | None = None
 
 
 class ScriptedServer:
@@ -73,7 +76,7 @@ class ScriptedServer:
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     async def _completions(self, request: Request) -> Response:
-        self.requests.append({"headers": dict(request.headers), "body": await request.json()})
+        self.requests.append({"headers": dict(request.headers), "body": await request.json(), "at": time.monotonic()})
         reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -83,7 +86,8 @@ class ScriptedServer:
             self.in_flight -= 1
         if reply.status != 200:
             return JSONResponse(
-                {"error": {"message": f"scripted {reply.status}", "type": "scripted"}}, status_code=reply.status
+                {"error": {"message": f"scripted {reply.status}", "type": "scripted"}}, status_code=reply.status,
+                headers=reply.headers,
             )
         if reply.raw is not None:
             return Response(reply.raw, media_type="application/json")
@@ -142,6 +146,24 @@ def test_429_is_retried(judge):
     assert result.parsed == Judgement(label="GOOD", reason="fine")
     assert result.record.attempts == 3 and len(server.requests) == 3
     assert (result.record.tokens_in, result.record.tokens_out) == (11, 7)
+
+
+@pytest.mark.parametrize(("status", "headers"), [
+    (429, {"retry-after": "1"}),
+    (503, {"retry-after-ms": "1000"}),
+    (429, {"retry-after": "HTTP date in 2 s"}),
+])
+def test_a_retry_waits_as_long_as_the_server_asked(judge, caplog, status, headers):
+    """The configured backoff here is 10 ms; a server that says when to come back is not asked sooner (an
+    HTTP date has whole seconds, so it asks for 1 to 2 s)."""
+    if headers.get("retry-after") == "HTTP date in 2 s":
+        headers = {"retry-after": format_datetime(datetime.now(timezone.utc) + timedelta(seconds=2), usegmt=True)}
+    with ScriptedServer(Reply(status=status, headers=headers), Reply()) as server, gateway(server.url) as gw:
+        result = gw.chat_sync(judge, schema=Judgement)
+    assert result.parsed is not None and result.record.attempts == 2
+    first, second = (r["at"] for r in server.requests)
+    assert second - first >= 0.95
+    assert "retrying in" in caplog.text
 
 
 def test_500_after_the_last_retry_is_an_error_with_its_record(judge, caplog):
