@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 from playwright._impl._async_base import AsyncBase  # the base of every async API object
@@ -120,6 +120,26 @@ class Observation:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ax_tree", render(self.nodes))
+
+    def targets(self) -> list[Target]:
+        """The named interactive elements whose centre is on the screen, in document order: what a click can
+        hit and a policy can name."""
+        found = []
+        for node in self.nodes:
+            if node.role in INTERACTIVE_ROLES and node.name and node.box is not None:
+                x, y, w, h = node.box
+                if w > 0 and h > 0 and 0 <= x + w / 2 < self.width and 0 <= y + h / 2 < self.height:
+                    found.append(Target(node.role, node.name, int(x + w // 2), int(y + h // 2)))
+        return found
+
+
+class Target(NamedTuple):
+    """An on-screen interactive element: its role, accessible name and centre in screenshot pixels."""
+
+    role: str
+    name: str
+    x: int
+    y: int
 
 
 def png_size(png: bytes) -> tuple[int, int]:

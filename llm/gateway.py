@@ -101,6 +101,14 @@ class Gateway:
             return cls(settings.llm, db_url=catalog.uri, blobs=BlobStore(catalog.warehouse / "blobs"),
                        ocr_reader=ocr.reader_for(settings.synth, catalog.uri))
 
+    def sees_images(self, model: str | None = None) -> bool:
+        """Whether `model` (default: the configured default) takes screenshots as images; a text-only model
+        reads them as OCR text and the accessibility tree instead."""
+        name = model or self.settings.default
+        if name not in self.backends:
+            raise ValueError(f"no model named {name!r} (configured: {', '.join(self.backends)})")
+        return self.backends[name].sees_images
+
     # ------------------------------------------------------------------ calls
 
     async def chat(

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from trajforge.envs import actions
-from trajforge.envs.browser import Observation
+from trajforge.envs.browser import Observation, Target
 from trajforge.llm import Gateway, ImagePart, load_prompt
 from trajforge.rollout.policy import Draw, PolicyOutput
 from trajforge.schemas.records import Query
@@ -101,13 +101,20 @@ def tool_spec(space: actions.Space) -> str:
 
 MAX_TEXT = 80
 """Longest text argument a constrained answer may type (a typed field's value, an answer)."""
+MAX_TARGETS = 40
+"""Most named elements a click may choose from (the first on the screen, in document order): a longer choice
+costs grammar states and prompt-reading the model cannot do anyway."""
 
 
-def call_schema(space: actions.Space, width: int, height: int,
-                points: list[list[int]] | None = None) -> dict[str, Any]:
+def call_schema(space: actions.Space, width: int, height: int, points: list[list[int]] | None = None,
+                targets: list[Target] | None = None) -> dict[str, Any]:
     """The function call as a JSON schema, one branch per action with exactly its arguments and points on
     the screen: an answer held to it while decoding is a call the action validator accepts. `points`, when
-    given, are the only points an action may name (the end of a drag or swipe stays free)."""
+    given, are the only points an action may name (the end of a drag or swipe stays free).
+
+    With `targets`, a click names one of those elements (`"target": NAME`) and its coordinate is that
+    element's centre, one branch per name: a model that reads the screen as text chooses among what it
+    can read instead of inventing pixels (the `target` argument is ours, not GUI-Owl's)."""
     point = {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": max(width - 1, 0)},
                                               {"type": "integer", "minimum": 0, "maximum": max(height - 1, 0)}],
              "items": False, "minItems": 2, "maxItems": 2}
@@ -120,8 +127,18 @@ def call_schema(space: actions.Space, width: int, height: int,
         "seconds": {"type": "number", "minimum": 0, "maximum": actions.MAX_SECONDS},
         "duration": {"type": "number", "minimum": 0, "maximum": actions.MAX_SECONDS},
     }
+    named: dict[str, Target] = {}  # the first element of each name, in document order
+    for target in targets or []:
+        if len(named) < MAX_TARGETS:
+            named.setdefault(target.name, target)
     branches = []
     for kind, (required, optional) in actions.SPACES[space].items():
+        if kind == "click" and named:
+            branches += [{"type": "object", "properties": {"action": {"const": "click"}, "target": {"const": name},
+                                                           "coordinate": {"const": [t.x, t.y]}},
+                          "required": ["action", "target", "coordinate"], "additionalProperties": False}
+                         for name, t in named.items()]
+            continue
         properties: dict[str, Any] = {"action": {"const": kind}}
         names = ["action"]
         for arg in (*required, *optional):
@@ -144,6 +161,7 @@ def to_action(call: ToolCall, function: str) -> dict[str, Any]:
     kind = args.pop("action", None)
     if not isinstance(kind, str):
         raise ValueError("the call has no action")
+    args.pop("target", None)  # which element a named click chose: its coordinate says where
     action: dict[str, Any] = {"type": kind}
     for name, (x, y) in (("coordinate", ("x", "y")), ("coordinate2", ("x2", "y2"))):
         if name in args:
@@ -170,6 +188,8 @@ def to_call(action: dict[str, Any], function: str) -> dict[str, Any]:
             args[key] = value
     return {"name": function, "arguments": args}
 
+ClickTargets = Literal["auto", "names", "points"]
+
 _THINKING = re.compile(r"<thinking>(.*?)</thinking>", re.DOTALL)
 _CONCLUSION = re.compile(r"<conclusion>(.*?)</conclusion>", re.DOTALL)
 
@@ -180,10 +200,16 @@ class GuiOwlPolicy:
     name = "gui_owl_e2e"
 
     def __init__(self, gateway: Gateway, *, viewport: str, model: str | None = None, history_images: int = 1,
-                 guidance: dict[str, str] | None = None, draw: Draw | None = None) -> None:
+                 guidance: dict[str, str] | None = None, draw: Draw | None = None,
+                 click_targets: ClickTargets = "auto") -> None:
         """`guidance` maps query ids to guidance texts (paper 6.4) given to those queries; `draw` samples
-        (None: the prompt's greedy decoding)."""
+        (None: the prompt's greedy decoding); `click_targets` is how a constrained click is held to the
+        screen ("names": to a named element's centre, "points": to any pixel, "auto": names for a model that
+        reads the screen as text, points for one that sees it)."""
         self.gateway = gateway
+        if click_targets == "auto":
+            click_targets = "points" if gateway.sees_images(model) else "names"
+        self.click_targets = click_targets
         self.draw = draw
         self.model = model
         self.space = actions.space_for(viewport)
@@ -222,7 +248,9 @@ class GuiOwlPolicy:
         )
         result = self.gateway.chat_sync(rendered, model=self.model, schema=ToolCall,
                                         sampling=self.draw.of(rendered.sampling) if self.draw else None,
-                                        json_schema=call_schema(self.space, observation.width, observation.height))
+                                        json_schema=call_schema(
+                                            self.space, observation.width, observation.height,
+                                            targets=observation.targets() if self.click_targets == "names" else None))
         self._model_id = result.record.model_id
         text = result.text
         thinking = _THINKING.search(text)
@@ -235,6 +263,15 @@ class GuiOwlPolicy:
             except ValueError as exc:
                 error = str(exc)
         thought = thinking.group(1).strip() if thinking else text.split("<tool_call>")[0].strip()
-        summary = conclusion.group(1).strip() if conclusion else json.dumps(action) if action else "no valid action"
+        summary = conclusion.group(1).strip() if conclusion else ""
+        # A small model concludes with nothing, or a copy of the prompt ("The screen now is shown"): its history
+        # then cannot tell one step from the next and it repeats its last click (measured on SmolLM2). So a named
+        # click always enters the history as what it did, the conclusion after it; any other step without a
+        # conclusion enters as its action.
+        target = result.parsed.arguments.get("target") if result.parsed is not None else None
+        if action and isinstance(target, str):
+            summary = f"click {target!r}. {summary}".strip()
+        elif not summary:
+            summary = json.dumps(action) if action else "no valid action"
         self._history.append(summary)
         return PolicyOutput(action, thought, text, calls=result.calls, error=error)

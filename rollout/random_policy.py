@@ -12,7 +12,7 @@ import json
 import random
 from typing import Any
 
-from trajforge.envs.browser import INTERACTIVE_ROLES, Observation
+from trajforge.envs.browser import Observation
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.records import Query
 
@@ -33,12 +33,7 @@ class RandomPolicy:
         self._rng = random.Random(f"{self.seed}:{query.query_id}")
 
     def act(self, observation: Observation, env: Any) -> PolicyOutput:
-        targets = []
-        for node in observation.nodes:
-            if node.role in INTERACTIVE_ROLES and node.name and node.box is not None:
-                x, y, w, h = node.box
-                if w > 0 and h > 0 and 0 <= x + w / 2 < observation.width and 0 <= y + h / 2 < observation.height:
-                    targets.append((node.role, node.name, x + w // 2, y + h // 2))
+        targets = observation.targets()
         if not targets:
             action: dict[str, Any] = {"type": "terminate", "status": "failure"}
             return PolicyOutput(action, "Nothing on the screen to interact with.", json.dumps(action))

@@ -76,7 +76,8 @@ def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gatewa
     if settings.policy == "mobile_agent_v3":
         return MobileAgentPolicy(gateway, viewport=settings.viewport, model=settings.model, draw=draw)
     return GuiOwlPolicy(gateway, viewport=settings.viewport, model=settings.model,
-                        history_images=settings.history_images, guidance=guidance, draw=draw)
+                        history_images=settings.history_images, guidance=guidance, draw=draw,
+                        click_targets=settings.click_targets)
 
 
 def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, settings: RolloutSettings,

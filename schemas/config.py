@@ -153,6 +153,11 @@ class RolloutSettings(_Section):
         default=None, description="The llm model the policy asks ('local' or an endpoint); default llm.default."
     )
     history_images: int = Field(default=1, ge=1, le=3, description="Newest screenshots in each policy prompt.")
+    click_targets: Literal["auto", "names", "points"] = Field(
+        default="auto", description="How the end-to-end policy's constrained click is held to the screen. names: "
+        "the click names an interactive element of the accessibility tree and clicks its centre (a `target` "
+        "argument beside GUI-Owl's own); points: any pixel, as GUI-Owl clicks; auto: names for a model that "
+        "reads the screen as text (the embedded one), points for one that sees images.")
     samples_per_query: int = Field(
         default=1, gt=0, description="Attempts per query per night (paper 2.2.3's repeated rollouts), each "
         "sampled with its own seed: a rerun of the same night over the same queries version is answered by the "

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,8 @@ from trajforge.critics.steps import StepJudgement
 from trajforge.critics.trajectory import TrajectoryJudgement
 from trajforge.data.blobs import BlobStore
 from trajforge.envs.actions import validate
+from trajforge.envs.axtree import AXNode
+from trajforge.envs.browser import Observation, Target
 from trajforge.guidance.distill import Outcome
 from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
 from trajforge.llm.local import SMOLLM2_ID, load, missing_models
@@ -39,9 +42,11 @@ from trajforge.llm.ocr import OcrReader
 from trajforge.llm.structured import Constraint, ThinkAnswer
 from trajforge.query_gen.deep_search import CommandAnswer, SelectionAnswer
 from trajforge.query_gen.synthesis import InstructionAnswer
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, call_schema, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, GuiOwlPolicy, ToolCall, call_schema, to_action, tool_spec
 from trajforge.rollout.mobile_agent import Notes, Plan, Reflection, WorkerAnswer
+from trajforge.rollout.policy import Draw
 from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_settings
+from trajforge.schemas.records import Query
 from trajforge.synth.grounding import Described
 from trajforge.synth.pal_ui import deliberation_schema
 from trajforge.synth.planning import ManualAnswer, PlanAnswer
@@ -396,6 +401,8 @@ def test_every_structured_answer_has_a_grammar_that_compiles():
         assert LLMatcher.validate_grammar(grammar) == "", function
         on_elements = call_schema(space, 1280, 800, [[50, 50], [150, 150]])  # type: ignore[arg-type]
         assert LLMatcher.validate_grammar(Constraint("json", on_elements).grammar) == "", function
+        named = call_schema(space, 1280, 800, targets=TARGETS)  # type: ignore[arg-type]
+        assert LLMatcher.validate_grammar(Constraint("tool_call", named).grammar) == "", function
     # PAL-UI's deliberation (its retrieve index bounded) and the think_answer layout CES rewards
     assert LLMatcher.validate_grammar(Constraint("json", deliberation_schema(3)).grammar) == ""
     assert LLMatcher.validate_grammar(Constraint("think_answer", ThinkAnswer.model_json_schema()).grammar) == ""
@@ -409,6 +416,36 @@ def test_the_embedded_policy_writes_a_valid_action_when_constrained(embedded, tm
     with Gateway(LLMSettings(constrain=False), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
         free = gw.chat_sync(policy_prompt(), schema=ToolCall, sampling=Sampling(max_tokens=8))
     assert free.record.constrained is None and not free.record.cached  # a constrained answer is not reused
+
+
+TARGETS = [Target("link", "Inbox", 60, 120), Target("button", "Compose", 300, 120),
+           Target("link", "Settings \"beta\"", 60, 200)]
+
+
+def test_the_embedded_policy_clicks_named_elements_and_its_history_says_which(embedded, tmp_path):
+    """A text-only model chooses a click among the screen's named elements (click_targets auto -> names), and
+    its history says which element each click chose, whatever the model concluded."""
+    nodes = (AXNode(0, "RootWebArea", "Mail"),
+             *(AXNode(1, t.role, t.name, box=(t.x - 40, t.y - 15, 80, 30)) for t in TARGETS),
+             AXNode(1, "button", "Below the screen", box=(10, 900, 80, 30)))
+    observation = Observation(png=screenshot("Inbox  Compose", "Settings"), width=412, height=732, url="http://mail/",
+                              title="Mail", nodes=nodes)
+    centres = {(t.x, t.y): t.name for t in TARGETS}
+    with Gateway(LLMSettings(), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
+        policy = GuiOwlPolicy(gw, viewport="mobile", draw=Draw(temperature=1.0, top_p=1.0, seed=0))
+        assert policy.click_targets == "names"
+        policy.reset(Query(query_id="q1", app="mail", source="page_graph", instruction="Open the inbox",
+                           path=["home", "inbox"], slots_json="{}", checker="page_is", checker_params_json="{}",
+                           max_steps=5, generator="test", created_at=datetime.now(UTC), run_id="test"))
+        clicks = []
+        for _ in range(4):
+            out = policy.act(observation, None)
+            assert out.error is None and validate(out.action, 412, 732, "mobile") is None, out.raw_output
+            if out.action["type"] == "click":
+                clicks.append(centres[out.action["x"], out.action["y"]])  # KeyError: a point off the elements
+    assert clicks, "four sampled steps on a screen of links and buttons made no click"
+    assert [h.split(".")[0] for h in policy._history if h.startswith("click ")] == [f"click {n!r}" for n in clicks]
+    assert all(policy._history), policy._history
 
 
 @pytest.mark.parametrize("how", ["json_schema", "grammar"])

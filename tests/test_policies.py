@@ -7,8 +7,9 @@ import json
 import pytest
 
 from trajforge.envs import actions
+from trajforge.envs.browser import Target
 from trajforge.llm.structured import ParseError, parse
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, to_action, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, MAX_TARGETS, ToolCall, call_schema, to_action, tool_spec
 
 
 @pytest.mark.parametrize("space", ["mobile", "desktop"])
@@ -32,6 +33,21 @@ def test_a_gui_owl_answer_becomes_a_valid_action():
     action = to_action(call, "mobile_use")
     assert action == {"type": "click", "x": 380, "y": 42}
     assert actions.validate(action, 412, 915, "mobile") is None
+
+
+def test_a_named_click_is_held_to_each_named_elements_centre():
+    targets = [Target("button", "Add to cart", 100, 200), Target("link", "Cart", 300, 40),
+               Target("button", "Add to cart", 100, 600)]  # a second "Add to cart" lower down
+    branches = call_schema("mobile", 412, 915, targets=targets)["properties"]["arguments"]["anyOf"]
+    clicks = [b["properties"] for b in branches if b["properties"]["action"]["const"] == "click"]
+    assert [(c["target"]["const"], c["coordinate"]["const"]) for c in clicks] == [
+        ("Add to cart", [100, 200]), ("Cart", [300, 40])]  # one branch per name, the first of its name
+    assert {b["properties"]["action"]["const"] for b in branches} == set(actions.SPACES["mobile"])
+    many = [Target("button", f"Item {i}", 10, 10 + i) for i in range(MAX_TARGETS + 5)]
+    branches = call_schema("mobile", 412, 915, targets=many)["properties"]["arguments"]["anyOf"]
+    assert sum(b["properties"]["action"]["const"] == "click" for b in branches) == MAX_TARGETS
+    call = ToolCall(name="mobile_use", arguments={"action": "click", "target": "Cart", "coordinate": [300, 40]})
+    assert to_action(call, "mobile_use") == {"type": "click", "x": 300, "y": 40}  # the name is not an argument
 
 
 @pytest.mark.parametrize(
