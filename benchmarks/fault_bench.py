@@ -1,0 +1,247 @@
+"""The nightly killed with SIGKILL at many points, rerun, and compared with an unbroken night of the same config.
+
+A kill point is a stage and a phase the run ledger shows: `shards` (some of the stage's shards done, the
+rest running) or `commit` (every shard done, the stage's tables being committed), and `report` (every stage
+committed; the night's tags and report being written). One *chain* walks a fresh night through the points in
+order: the watcher kills the process group the moment the ledger shows the next point, reruns `trajforge run
+nightly` (which resumes), and waits for the point after it; a point the run passed between two polls is
+recorded as missed, not as survived. Then the night is finished by a last rerun and compared with the
+unbroken night: rows per table (latest version), every key unique, and the policy's episodes judged as the
+unbroken night judged them (the replay policy succeeds on every query, so a failure is a false one).
+
+    python benchmarks/fault_bench.py [--chains 1] [--keep DIR]
+
+Prints one table: fault | trials | survived | rows lost | rows duplicated | false task failures. Never asserts;
+tests/faults/test_kill_points.py runs one short chain and asserts the same figures are zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+import sqlalchemy as sa
+
+from trajforge.flows.stages import stages
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import Settings
+from trajforge.schemas.tables import record_model
+
+CONFIG = """\
+query_gen:
+  apps: [shop]
+  num_queries: 2
+  deep_search_apps: []
+rollout:
+  policy: replay
+  contexts: 2
+critics:
+  step_critic: rules
+  text_channel: false
+synth:
+  writer: template
+"""
+"""The shared replay night of the tests (tests/conftest.py): every stage writes rows and asks no model."""
+
+STAGES = stages()
+
+Point = tuple[str, str]
+"""(stage, phase): phase is "shards" or "commit"; ("nightly", "report") after the last stage."""
+
+
+def all_points() -> list[Point]:
+    """Every kill point of a night in order: each stage's shards and its commit, then the report."""
+    return [(stage, phase) for stage in STAGES for phase in ("shards", "commit")] + [("nightly", "report")]
+
+
+def cli_path() -> str:
+    return str(Path(sys.executable).with_name("trajforge"))
+
+
+def _env(folder: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_")}
+    return env | {"COLUMNS": "200", "PREFECT_HOME": str(folder / "prefect")}
+
+
+def night(folder: Path, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    """`trajforge run nightly` in `folder` to its end (a fresh night, or the rerun that resumes one)."""
+    return subprocess.run([cli_path(), "run", "nightly"], cwd=folder, env=_env(folder), capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def _phase(ledger: sa.Engine) -> list[Point]:
+    """The points the ledger shows now: the stages with their phase, in the night's order."""
+    try:
+        with ledger.connect() as conn:
+            stages = conn.execute(sa.text("SELECT stage, total_shards, snapshots FROM trajforge_stages")).all()
+            done = dict(conn.execute(sa.text("SELECT stage, count(*) FROM trajforge_shards GROUP BY stage")).all())
+            finished = conn.execute(sa.text(
+                "SELECT count(*) FROM trajforge_runs WHERE flow = 'nightly' AND status != 'running'")).scalar()
+    except sa.exc.OperationalError:  # the ledger is not created yet
+        return []
+    shown: list[Point] = []
+    committed = 0
+    for stage, total, snapshots in stages:
+        if snapshots:
+            committed += 1
+            shown.append((stage, "done"))
+        elif done.get(stage, 0) >= total:
+            shown.append((stage, "commit"))
+        elif done.get(stage, 0) > 0:
+            shown.append((stage, "shards"))
+    if committed == len(STAGES) and not finished:
+        shown.append(("nightly", "report"))
+    return shown
+
+
+@dataclass
+class Chain:
+    """What one chain of kills did."""
+
+    killed: list[Point] = field(default_factory=list)
+    missed: list[Point] = field(default_factory=list)
+    reruns: int = 0
+    failed: str | None = None
+    """Why a rerun did not finish the night, if one did not."""
+
+
+def _passed(point: Point, shown: list[Point]) -> bool:
+    """Whether the night is past `point` already: its stage is done, or a later point shows."""
+    order = all_points()
+    later = [order.index(p) for p in shown if p in order]
+    return (point[0], "done") in shown or bool(later) and max(later) > order.index(point)
+
+
+def chain(folder: Path, points: list[Point], poll_s: float = 0.02) -> Chain:
+    """Walk a fresh night in `folder` through `points` (in the night's order), killing at each; then finish it."""
+    (folder / "trajforge.yaml").write_text(CONFIG)
+    ledger = sa.create_engine(f"sqlite:///{folder / 'data' / 'warehouse' / 'catalog.db'}")
+    out = Chain()
+    todo = sorted(points, key=all_points().index)
+    while True:
+        proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=_env(folder), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        out.reruns += 1
+        killed = False
+        try:
+            while todo and proc.poll() is None:
+                shown = _phase(ledger)
+                if todo[0] in shown:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    out.killed.append(todo.pop(0))
+                    killed = True
+                    break
+                if _passed(todo[0], shown):
+                    out.missed.append(todo.pop(0))
+                    continue
+                time.sleep(poll_s)
+            _, err = proc.communicate(timeout=1800)  # killed: returns at once; else the night runs to its end
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        if killed:
+            continue
+        if proc.returncode != 0:
+            out.failed = (err.strip().splitlines() or ["no output"])[-1]
+        out.missed += todo  # the night ended before them
+        return out
+@dataclass
+class Comparison:
+    lost: int
+    duplicated: int
+    false_failures: int
+    tables: dict[str, tuple[int, int]]
+    """table -> (rows in the unbroken night, rows in the faulted one)."""
+
+
+def _latest(folder: Path) -> dict[str, pl.DataFrame]:
+    ws = Workspace.open(Settings(warehouse={"path": folder / "data" / "warehouse"}))
+    return {name: ws.catalog.load(name) for name in ws.catalog.tables()}
+
+
+def _judged(tables: dict[str, pl.DataFrame]) -> int:
+    """Failed verdicts of the policy's episodes (the reference stage's replays are not judged)."""
+    verdicts = tables.get("verdicts")
+    return 0 if verdicts is None else int((~verdicts["success"]).sum())
+
+
+def compare(reference: Path, faulted: Path) -> Comparison:
+    """Rows per table, duplicated keys and false failures of `faulted` against the unbroken `reference` night.
+    Episodes ended by an environment fault (and their reruns) are left out: a loaded machine makes them in
+    either night, and each is rerun by design."""
+    ref, got = _latest(reference), _latest(faulted)
+    lost = duplicated = 0
+    tables: dict[str, tuple[int, int]] = {}
+    for name in sorted(set(ref) | set(got)):
+        a, b = ref.get(name, pl.DataFrame()), got.get(name, pl.DataFrame())
+        if name == "episodes":
+            a, b = (df.filter(pl.col("status") != "env_fault") if df.height else df for df in (a, b))
+        tables[name] = (a.height, b.height)
+        unique = b[record_model(name).key].n_unique() if b.height else 0
+        lost += max(0, a.height - unique)
+        duplicated += (b.height - unique) + max(0, unique - a.height)
+    return Comparison(lost, duplicated, max(0, _judged(got) - _judged(ref)), tables)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chains", type=int, default=1, help="Chains of kills, each through every point.")
+    parser.add_argument("--keep", type=Path, help="Keep the nights' folders here.")
+    args = parser.parse_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="fault-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    reference = root / "unbroken"
+    reference.mkdir(exist_ok=True)
+    (reference / "trajforge.yaml").write_text(CONFIG)
+    start = time.perf_counter()
+    done = night(reference)
+    if done.returncode != 0:
+        raise SystemExit(f"the unbroken night failed: {done.stderr.strip()[-500:]}")
+    print(f"unbroken night: {time.perf_counter() - start:.0f} s")
+    rows: list[tuple[str, int, int, int, int, int]] = []
+    killed: Counter[Point] = Counter()
+    missed: Counter[Point] = Counter()
+    lost = dup = false = survived = trials = 0
+    for n in range(args.chains):
+        folder = root / f"chain-{n}"
+        folder.mkdir(exist_ok=True)
+        start = time.perf_counter()
+        result = chain(folder, all_points())
+        result_cmp = compare(reference, folder)
+        killed.update(result.killed)
+        missed.update(result.missed)
+        trials += len(result.killed)
+        ok = result.failed is None and not (result_cmp.lost or result_cmp.duplicated or result_cmp.false_failures)
+        survived += len(result.killed) if ok else 0
+        lost, dup, false = lost + result_cmp.lost, dup + result_cmp.duplicated, false + result_cmp.false_failures
+        print(f"chain {n}: {len(result.killed)} kills, {len(result.missed)} points passed between polls, "
+              f"{result.reruns} runs, {time.perf_counter() - start:.0f} s"
+              + (f"; the last rerun failed: {result.failed}" if result.failed else ""))
+        for table, (a, b) in result_cmp.tables.items():
+            if a != b:
+                print(f"  {table}: {a} rows unbroken, {b} after the kills")
+    rows.append(("SIGKILL of the nightly (chain of points)", trials, survived, lost, dup, false))
+    print(f"\nkill points ({len(killed)} distinct): "
+          + ", ".join(f"{stage}:{phase}" for stage, phase in all_points() if (stage, phase) in killed))
+    if missed:
+        print("passed between polls: " + ", ".join(f"{s}:{p}" for s, p in all_points() if (s, p) in missed))
+    header = ("fault", "trials", "survived", "rows lost", "rows duplicated", "false task failures")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The nightly killed with SIGKILL at points across the night, commits included, each time rerun: the finished
+night has the unbroken night's rows, no key twice, and no task failed that the unbroken night passed.
+benchmarks/fault_bench.py walks every point; this walks a few, against the session's shared replay night."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from fault_bench import CONFIG, chain, compare  # the benchmark owns the harness
+
+pytestmark = pytest.mark.browser
+
+POINTS = [("rollout", "shards"), ("rollout", "commit"), ("critics", "commit"), ("grounding", "commit"),
+          ("agentic_q", "commit"), ("nightly", "report")]
+
+
+def test_a_night_killed_at_each_point_and_rerun_equals_the_unbroken_night(replay_night, tmp_path):
+    reference, _ = replay_night
+    assert (reference / "trajforge.yaml").read_text().strip() == CONFIG.strip(), "compare like with like"
+    result = chain(tmp_path, POINTS)
+    assert result.failed is None, result.failed
+    assert len(result.killed) >= 3, f"most points passed between polls: killed {result.killed}"
+    assert result.reruns == len(result.killed) + 1
+    got = compare(reference, tmp_path)
+    differing = {t: rows for t, rows in got.tables.items() if rows[0] != rows[1]}
+    assert (got.lost, got.duplicated, got.false_failures) == (0, 0, 0), differing
