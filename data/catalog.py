@@ -205,7 +205,8 @@ def _commit_file_stem(commit_key: str) -> str:
     return f"{readable}-{tail}" if readable else tail
 
 
-def _parse_lineage(snapshot: Snapshot) -> Lineage | None:
+def snapshot_lineage(snapshot: Snapshot) -> Lineage | None:
+    """The lineage a snapshot's summary carries; None for a snapshot committed without one."""
     raw = snapshot.summary[LINEAGE_KEY] if snapshot.summary is not None else None
     return Lineage.model_validate_json(raw) if raw else None
 
@@ -556,7 +557,7 @@ class Catalog:
                     added_rows=int((summary["added-records"] if summary is not None else None) or 0),
                     total_rows=int((summary["total-records"] if summary is not None else None) or 0),
                     tags=sorted(tags.get(snap.snapshot_id, [])),
-                    lineage=_parse_lineage(snap),
+                    lineage=snapshot_lineage(snap),
                 )
             )
         return infos
@@ -606,7 +607,7 @@ class Catalog:
             return None
         snapshot = self._tables[name].snapshot_by_id(snapshot_id)
         assert snapshot is not None
-        return _parse_lineage(snapshot)
+        return snapshot_lineage(snapshot)
 
     def tag(self, table: str, version: int | str | None, name: str) -> int:
         """Point a tag at a version (moving it if it exists); return the snapshot id.

@@ -250,6 +250,14 @@ class Ledger:
             for r in rows
         ]
 
+    def unfinished_files(self) -> set[str]:
+        """The shard files of every run not finished: what a rerun still commits (retention keeps them)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(shards.c.files).join(runs, runs.c.run_id == shards.c.run_id).where(runs.c.status == "running")
+            ).all()
+        return {path for (files,) in rows for paths in json.loads(files).values() for path in paths}
+
     def progress(self, run_id: str) -> dict[str, tuple[int, int]]:
         """stage -> (shards done, shards planned), for progress bars."""
         with self.engine.connect() as conn:

@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Any
@@ -33,6 +34,7 @@ from rich.table import Table
 
 import trajforge.flows  # noqa: F401  (sets Prefect's environment defaults before Prefect is imported)
 from trajforge.data.catalog import CatalogError
+from trajforge.data.retention import expire
 from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.miniwob import MiniWoBError
 from trajforge.envs.spec import SpecError
@@ -322,6 +324,31 @@ def datasets_tag(
     except CatalogError as exc:
         raise _fail(str(exc)) from None
     console.print(f"tagged {table}@{snapshot} as {name}")
+
+
+@datasets.command("expire")
+def datasets_expire(
+    older_than: Annotated[float, typer.Option("--older-than", min=0, help="Expire versions older than DAYS.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would go; change nothing.")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Expire old versions (tagged and current ones kept), then remove the data files and screenshot blobs that
+    no remaining version references."""
+    _, ws = _open(config)
+    with ws.ledger.writing("expire"):  # no run commits meanwhile
+        gone = expire(ws.catalog, ws.blobs, ws.ledger, timedelta(days=older_than), dry_run=dry_run)
+    table = Table(title="would expire" if dry_run else "expired")
+    for col in ("table", "versions expired", "versions kept"):
+        table.add_column(col)
+    for name, kept in gone.kept_snapshots.items():
+        table.add_row(name, str(len(gone.snapshots.get(name, []))), str(kept))
+    console.print(table)
+    verb = "would remove" if dry_run else "removed"
+    console.print(f"{verb} {len(gone.data_files)} data files and {len(gone.blobs)} screenshot blobs "
+                  f"({gone.bytes / 1e6:.1f} MB)")
+    if dry_run:
+        for path in (*gone.data_files, *gone.blobs):
+            console.print(f"  {path}", highlight=False)
 
 
 @evaluate.command("critics")

@@ -1,0 +1,132 @@
+"""Retention: expire old versions, then remove the data files and screenshot blobs nothing references.
+
+Nightly runs only add: every version keeps its Parquet files and every screenshot stays in
+the blob store. `expire` takes a cutoff and, per table, expires the versions committed
+before it except the protected ones (every tagged version, so `nightly-*` and hand-made tags
+stay readable; each table's current version; and every version a kept version's lineage
+names as its input, so each kept version can still be explained and its stage rerun); then
+removes the data files no remaining version references, and the blobs whose hash no remaining row mentions (a hash is found in
+any string column, JSON included, so a new table needs no registration here).
+
+What an unfinished run may still commit is never removed: files younger than the cutoff, and
+the shard files the run ledger lists for runs not finished (a crashed run resumes from them).
+Run under the warehouse's writer lock, so no run writes meanwhile. `dry_run` lists only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyiceberg.table import Table
+from pyiceberg.table.refs import SnapshotRefType
+
+from trajforge.data.blobs import BlobStore
+from trajforge.data.catalog import Catalog, snapshot_lineage
+from trajforge.data.ledger import Ledger
+
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass
+class Expiry:
+    """What `expire` removed (or, in a dry run, would remove)."""
+
+    snapshots: dict[str, list[int]] = field(default_factory=dict)
+    """Table -> the snapshot ids expired."""
+    kept_snapshots: dict[str, int] = field(default_factory=dict)
+    """Table -> versions that remain."""
+    data_files: list[Path] = field(default_factory=list)
+    blobs: list[Path] = field(default_factory=list)
+    bytes: int = 0
+
+
+def _local(path: str) -> Path:
+    return Path(unquote(urlparse(path).path))
+
+
+def _protected(tbl: Table) -> set[int]:
+    """Tagged versions and each branch's head (the table's current version)."""
+    return {ref.snapshot_id for ref in tbl.metadata.refs.values()
+            if ref.snapshot_ref_type in (SnapshotRefType.TAG, SnapshotRefType.BRANCH)}
+
+
+def _files_of(tbl: Table, snapshot_ids: Iterable[int]) -> set[Path]:
+    return {_local(task.file.file_path) for sid in snapshot_ids for task in tbl.scan(snapshot_id=sid).plan_files()}
+
+
+def _hashes(files: Iterable[Path]) -> set[str]:
+    """Every sha256-looking string in the string columns of these Parquet files."""
+    found: set[str] = set()
+    for path in files:
+        if not path.is_file():
+            continue
+        table = pq.read_table(path)
+        for column in table.columns:
+            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                for chunk in pc.drop_null(column).chunks:
+                    for text in chunk.to_pylist():
+                        found.update(_HASH.findall(text))
+            elif pa.types.is_list(column.type) and pa.types.is_string(column.type.value_type):
+                for values in column.to_pylist():
+                    for text in values or []:
+                        found.update(_HASH.findall(text or ""))
+    return found
+
+
+def _old(path: Path, cutoff: datetime) -> bool:
+    return datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc) < cutoff
+
+
+def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timedelta, *, dry_run: bool = False,
+           now: datetime | None = None) -> Expiry:
+    """Expire each table's unprotected versions committed before now - `older_than`, then remove what no
+    remaining version references. Returns what went (or would go)."""
+    cutoff = (now or datetime.now(timezone.utc)) - older_than
+    cutoff_ms = int(cutoff.timestamp() * 1000)
+    pending = {_local(p) for p in ledger.unfinished_files()}
+    tables = {name: catalog.iceberg.load_table((catalog.namespace, name)) for name in catalog.tables()}
+    keep = {name: _protected(tbl) | {s.snapshot_id for s in tbl.metadata.snapshots if s.timestamp_ms >= cutoff_ms}
+            for name, tbl in tables.items()}
+    # A kept version's lineage names the versions it was made from: they stay, so it can be explained and rerun.
+    grown = True
+    while grown:
+        grown = False
+        for name, tbl in tables.items():
+            for sid in list(keep[name]):
+                snapshot = tbl.snapshot_by_id(sid)
+                lineage = snapshot_lineage(snapshot) if snapshot is not None else None
+                for table, input_sid in (lineage.inputs if lineage is not None else {}).items():
+                    if table in keep and input_sid not in keep[table] and tables[table].snapshot_by_id(input_sid):
+                        keep[table].add(input_sid)
+                        grown = True
+    out = Expiry()
+    referenced: set[Path] = set()
+    for name, tbl in tables.items():
+        expired = [s.snapshot_id for s in tbl.metadata.snapshots if s.snapshot_id not in keep[name]]
+        live = _files_of(tbl, keep[name])
+        referenced |= live
+        if expired:
+            out.snapshots[name] = expired
+            if not dry_run:
+                tbl.maintenance.expire_snapshots().by_ids(expired).commit()
+        out.kept_snapshots[name] = len(keep[name])
+        for path in sorted(catalog.data_dir(name).glob("*.parquet")):
+            if path not in live and path not in pending and _old(path, cutoff):
+                out.data_files.append(path)
+    mentioned = _hashes(referenced | pending)
+    for path in sorted(blobs.root.glob("??/*")):
+        if path.is_file() and f"{path.parent.name}{path.name}" not in mentioned and _old(path, cutoff):
+            out.blobs.append(path)
+    for path in (*out.data_files, *out.blobs):
+        out.bytes += path.stat().st_size
+        if not dry_run:
+            path.unlink()
+    return out
