@@ -164,8 +164,8 @@ class Comparison:
     """table -> (rows in the unbroken night, rows in the faulted one)."""
 
 
-def _latest(folder: Path) -> dict[str, pl.DataFrame]:
-    ws = Workspace.open(Settings(warehouse={"path": folder / "data" / "warehouse"}))
+def _latest(warehouse: Path) -> dict[str, pl.DataFrame]:
+    ws = Workspace.open(Settings(warehouse={"path": warehouse}))
     return {name: ws.catalog.load(name) for name in ws.catalog.tables()}
 
 
@@ -175,11 +175,13 @@ def _judged(tables: dict[str, pl.DataFrame]) -> int:
     return 0 if verdicts is None else int((~verdicts["success"]).sum())
 
 
-def compare(reference: Path, faulted: Path) -> Comparison:
-    """Rows per table, duplicated keys and false failures of `faulted` against the unbroken `reference` night.
-    Episodes ended by an environment fault (and their reruns) are left out: a loaded machine makes them in
-    either night, and each is rerun by design."""
-    ref, got = _latest(reference), _latest(faulted)
+def compare(reference: Path, faulted: Path, warehouse: Path | None = None) -> Comparison:
+    """Rows per table, duplicated keys and false failures of the night in folder `faulted` (its warehouse at
+    `warehouse` when the config moved it) against the unbroken night in folder `reference`. Episodes ended by
+    an environment fault (and their reruns) are left out: a loaded machine makes them in either night, and
+    each is rerun by design."""
+    ref = _latest(reference / "data" / "warehouse")
+    got = _latest(warehouse or faulted / "data" / "warehouse")
     lost = duplicated = 0
     tables: dict[str, tuple[int, int]] = {}
     for name in sorted(set(ref) | set(got)):
