@@ -46,6 +46,7 @@ with the error), not a crash of the episode.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 Space = Literal["mobile", "desktop"]
@@ -138,6 +139,8 @@ def _type_error(kind: str, name: str, value: Any, types: tuple[type, ...]) -> st
         return f"{kind}: argument {name!r} must be a non-empty list of key names, got {value!r}"
     # bool is an int in Python: refuse it as a number, accept it only where a bool is asked for.
     if isinstance(value, types) and (types is BOOL or not isinstance(value, bool)):
+        if isinstance(value, float) and not math.isfinite(value):  # a model's NaN or Infinity (JSON allows both)
+            return f"{kind}: argument {name!r} must be a finite number, got {value!r}"
         return None
     names: dict[tuple[type, ...], str] = {NUMBER: "a number", BOOL: "true or false"}
     expected = names.get(types, "a string")

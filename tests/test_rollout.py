@@ -290,3 +290,8 @@ def test_validate_action_space() -> None:
     assert "unknown argument" in actions.validate({"type": "wait", "secs": 1}, 412, 915)
     assert "between 0 and 10" in actions.validate({"type": "wait", "seconds": 60}, 412, 915)
     assert "JSON object" in actions.validate(["click"], 412, 915)
+    for nan_or_inf in (float("nan"), float("inf"), float("-inf")):  # what a model server's JSON may carry
+        assert "finite number" in actions.validate({"type": "click", "x": nan_or_inf, "y": 1}, 412, 915)
+        assert "finite number" in actions.validate({"type": "scroll", "x": 1, "y": 1, "dy": nan_or_inf}, 1280, 800,
+                                                   "desktop")
+        assert "finite number" in actions.validate({"type": "wait", "seconds": nan_or_inf}, 412, 915)
