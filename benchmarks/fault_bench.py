@@ -9,7 +9,9 @@ recorded as missed, not as survived. Then the night is finished by a last rerun 
 unbroken night: rows per table (latest version), every key unique, and the policy's episodes judged as the
 unbroken night judged them (the replay policy succeeds on every query, so a failure is a false one).
 
-    python benchmarks/fault_bench.py [--chains 1] [--keep DIR]
+    python benchmarks/fault_bench.py [--chains 1] [--random N] [--seed S] [--keep DIR]
+
+`--random N` also kills N fresh nights each at a random time within the unbroken night's length.
 
 Prints one table: fault | trials | survived | rows lost | rows duplicated | false task failures. Never asserts;
 tests/faults/test_kill_points.py runs one short chain and asserts the same figures are zero.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -155,6 +158,22 @@ def chain(folder: Path, points: list[Point], poll_s: float = 0.02) -> Chain:
             out.failed = (err.strip().splitlines() or ["no output"])[-1]
         out.missed += todo  # the night ended before them
         return out
+def killed_at(folder: Path, after_s: float) -> tuple[Point | None, bool]:
+    """A fresh night in `folder` killed `after_s` seconds in (a point the ledger did not choose), then rerun to
+    its end: the point it was at (None: before the ledger existed) and whether the rerun finished."""
+    (folder / "trajforge.yaml").write_text(CONFIG)
+    ledger = sa.create_engine(f"sqlite:///{folder / 'data' / 'warehouse' / 'catalog.db'}")
+    proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=_env(folder), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc.wait(timeout=after_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    shown = [p for p in _phase(ledger) if p[1] != "done"]
+    return (shown[-1] if shown else None), night(folder).returncode == 0
+
+
 @dataclass
 class Comparison:
     lost: int
@@ -198,6 +217,9 @@ def compare(reference: Path, faulted: Path, warehouse: Path | None = None) -> Co
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chains", type=int, default=1, help="Chains of kills, each through every point.")
+    parser.add_argument("--random", type=int, default=0,
+                        help="Nights killed at a random time within the unbroken night's length, each rerun.")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, help="Keep the nights' folders here.")
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="fault-bench-"))
@@ -209,7 +231,8 @@ def main() -> None:
     done = night(reference)
     if done.returncode != 0:
         raise SystemExit(f"the unbroken night failed: {done.stderr.strip()[-500:]}")
-    print(f"unbroken night: {time.perf_counter() - start:.0f} s")
+    length = time.perf_counter() - start
+    print(f"unbroken night: {length:.0f} s")
     rows: list[tuple[str, int, int, int, int, int]] = []
     killed: Counter[Point] = Counter()
     missed: Counter[Point] = Counter()
@@ -233,6 +256,20 @@ def main() -> None:
             if a != b:
                 print(f"  {table}: {a} rows unbroken, {b} after the kills")
     rows.append(("SIGKILL of the nightly (chain of points)", trials, survived, lost, dup, false))
+    rng = random.Random(args.seed)
+    totals = [0, 0, 0, 0, 0]
+    for n in range(args.random):
+        folder = root / f"random-{n}"
+        folder.mkdir(exist_ok=True)
+        point, finished = killed_at(folder, rng.uniform(0, length))
+        got = compare(reference, folder)
+        ok = finished and not (got.lost or got.duplicated or got.false_failures)
+        for i, value in enumerate((1, ok, got.lost, got.duplicated, got.false_failures)):
+            totals[i] += value
+        print(f"random {n}: killed at {point[0] + ':' + point[1] if point else 'start-up'}"
+              + ("" if finished else "; the rerun failed"))
+    if args.random:
+        rows.append(("SIGKILL of the nightly (random time)", *totals))
     print(f"\nkill points ({len(killed)} distinct): "
           + ", ".join(f"{stage}:{phase}" for stage, phase in all_points() if (stage, phase) in killed))
     if missed:
