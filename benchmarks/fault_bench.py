@@ -1,7 +1,7 @@
 """The nightly killed with SIGKILL at many points, rerun, and compared with an unbroken night of the same config.
 
-A kill point is a stage and a phase the run ledger shows: `shards` (some of the stage's shards done, the
-rest running) or `commit` (every shard done, the stage's tables being committed), and `report` (every stage
+A kill point is a stage and a phase the run ledger shows: `shards` (the stage planned, its shards running)
+or `commit` (every shard done, the stage's tables being committed), and `report` (every stage
 committed; the night's tags and report being written). One *chain* walks a fresh night through the points in
 order: the watcher kills the process group the moment the ledger shows the next point, reruns `trajforge run
 nightly` (which resumes), and waits for the point after it; a point the run passed between two polls is
@@ -103,7 +103,7 @@ def _phase(ledger: sa.Engine) -> list[Point]:
             shown.append((stage, "done"))
         elif done.get(stage, 0) >= total:
             shown.append((stage, "commit"))
-        elif done.get(stage, 0) > 0:
+        else:  # planned, its shards running
             shown.append((stage, "shards"))
     if committed == len(STAGES) and not finished:
         shown.append(("nightly", "report"))
