@@ -18,7 +18,7 @@ from pathlib import Path
 
 from PIL import Image
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class BlobMissing(KeyError):
@@ -50,12 +50,12 @@ class BlobStore:
 
     def path(self, sha256: str) -> Path:
         """Where the blob with this hash lives (whether or not it exists)."""
-        if not _SHA256.fullmatch(sha256):
+        if not SHA256.fullmatch(sha256):
             raise ValueError(f"not a lowercase hex sha256: {sha256!r}")
         return self.root / sha256[:2] / sha256[2:]
 
     def __contains__(self, sha256: object) -> bool:
-        return isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None and self.path(sha256).is_file()
+        return isinstance(sha256, str) and SHA256.fullmatch(sha256) is not None and self.path(sha256).is_file()
 
     def put(self, data: bytes) -> BlobRef:
         """Store an image and return its reference; storing the same bytes again writes nothing.

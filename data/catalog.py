@@ -184,6 +184,11 @@ def _local_path(location: str) -> Path:
     return Path(unquote(parsed.path))
 
 
+def data_files(table: Table, snapshot_id: int) -> list[Path]:
+    """The local Parquet files one version of `table` reads."""
+    return [_local_path(task.file.file_path) for task in table.scan(snapshot_id=snapshot_id).plan_files()]
+
+
 def _file_uri(path: str | Path) -> str:
     """Data files are registered as file:// URIs, the form pyiceberg itself writes."""
     text = str(path)
@@ -524,8 +529,7 @@ class Catalog:
         tbl = self._tables.get(name)
         if tbl is None or snapshot_id is None:
             return exc
-        for task in tbl.scan(snapshot_id=snapshot_id).plan_files():
-            path = unquote(urlparse(task.file.file_path).path)
+        for path in data_files(tbl, snapshot_id):
             try:
                 pq.read_table(path)
             except (pa.ArrowException, OSError) as bad:

@@ -5,8 +5,9 @@ the blob store. `expire` takes a cutoff and, per table, expires the versions com
 before it except the protected ones (every tagged version, so `nightly-*` and hand-made tags
 stay readable; each table's current version; and every version a kept version's lineage
 names as its input, so each kept version can still be explained and its stage rerun); then
-removes the data files no remaining version references, and the blobs whose hash no remaining row mentions (a hash is found in
-any string column, JSON included, so a new table needs no registration here).
+removes the data files no remaining version references, and the blobs whose hash no
+remaining row mentions (a hash is found in any string column, JSON included, so a new table
+needs no registration here).
 
 What an unfinished run may still commit is never removed: files younger than the cutoff, and
 the shard files the run ledger lists for runs not finished (a crashed run resumes from them).
@@ -15,12 +16,10 @@ Run under the warehouse's writer lock, so no run writes meanwhile. `dry_run` lis
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,11 +27,9 @@ import pyarrow.parquet as pq
 from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 
-from trajforge.data.blobs import BlobStore
-from trajforge.data.catalog import Catalog, snapshot_lineage
+from trajforge.data.blobs import SHA256, BlobStore
+from trajforge.data.catalog import Catalog, data_files, snapshot_lineage
 from trajforge.data.ledger import Ledger
-
-_HASH = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -48,10 +45,6 @@ class Expiry:
     bytes: int = 0
 
 
-def _local(path: str) -> Path:
-    return Path(unquote(urlparse(path).path))
-
-
 def _protected(tbl: Table) -> set[int]:
     """Tagged versions and each branch's head (the table's current version)."""
     return {ref.snapshot_id for ref in tbl.metadata.refs.values()
@@ -59,7 +52,7 @@ def _protected(tbl: Table) -> set[int]:
 
 
 def _files_of(tbl: Table, snapshot_ids: Iterable[int]) -> set[Path]:
-    return {_local(task.file.file_path) for sid in snapshot_ids for task in tbl.scan(snapshot_id=sid).plan_files()}
+    return {path for sid in snapshot_ids for path in data_files(tbl, sid)}
 
 
 def _hashes(files: Iterable[Path]) -> set[str]:
@@ -73,11 +66,11 @@ def _hashes(files: Iterable[Path]) -> set[str]:
             if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
                 for chunk in pc.drop_null(column).chunks:
                     for text in chunk.to_pylist():
-                        found.update(_HASH.findall(text))
+                        found.update(SHA256.findall(text))
             elif pa.types.is_list(column.type) and pa.types.is_string(column.type.value_type):
                 for values in column.to_pylist():
                     for text in values or []:
-                        found.update(_HASH.findall(text or ""))
+                        found.update(SHA256.findall(text or ""))
     return found
 
 
@@ -91,7 +84,7 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
     remaining version references. Returns what went (or would go)."""
     cutoff = (now or datetime.now(timezone.utc)) - older_than
     cutoff_ms = int(cutoff.timestamp() * 1000)
-    pending = {_local(p) for p in ledger.unfinished_files()}
+    pending = {Path(p) for p in ledger.unfinished_files()}
     tables = {name: catalog.iceberg.load_table((catalog.namespace, name)) for name in catalog.tables()}
     keep = {name: _protected(tbl) | {s.snapshot_id for s in tbl.metadata.snapshots if s.timestamp_ms >= cutoff_ms}
             for name, tbl in tables.items()}
