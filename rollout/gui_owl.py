@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -19,6 +19,7 @@ from trajforge.envs import actions
 from trajforge.envs.browser import Observation, Target
 from trajforge.llm import Gateway, ImagePart, load_prompt
 from trajforge.rollout.policy import Draw, PolicyOutput
+from trajforge.schemas.config import ClickTargets
 from trajforge.schemas.records import Query
 
 PROMPT = "gui_owl_e2e"
@@ -188,7 +189,6 @@ def to_call(action: dict[str, Any], function: str) -> dict[str, Any]:
             args[key] = value
     return {"name": function, "arguments": args}
 
-ClickTargets = Literal["auto", "names", "points"]
 
 _THINKING = re.compile(r"<thinking>(.*?)</thinking>", re.DOTALL)
 _CONCLUSION = re.compile(r"<conclusion>(.*?)</conclusion>", re.DOTALL)

@@ -141,6 +141,10 @@ class QueryGenSettings(_Section):
         return value
 
 
+ClickTargets = Literal["auto", "names", "points"]
+"""How the end-to-end policy's constrained click is held to the screen (`RolloutSettings.click_targets`)."""
+
+
 class RolloutSettings(_Section):
     policy: Literal["gui_owl_e2e", "mobile_agent_v3", "replay", "random"] = Field(
         default="gui_owl_e2e",
@@ -153,7 +157,7 @@ class RolloutSettings(_Section):
         default=None, description="The llm model the policy asks ('local' or an endpoint); default llm.default."
     )
     history_images: int = Field(default=1, ge=1, le=3, description="Newest screenshots in each policy prompt.")
-    click_targets: Literal["auto", "names", "points"] = Field(
+    click_targets: ClickTargets = Field(
         default="auto", description="How the end-to-end policy's constrained click is held to the screen. names: "
         "the click names an interactive element of the accessibility tree and clicks its centre (a `target` "
         "argument beside GUI-Owl's own); points: any pixel, as GUI-Owl clicks; auto: names for a model that "
