@@ -40,21 +40,8 @@ from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings
 from trajforge.schemas.tables import record_model
 
-CONFIG = """\
-query_gen:
-  apps: [shop]
-  num_queries: 2
-  deep_search_apps: []
-rollout:
-  policy: replay
-  contexts: 2
-critics:
-  step_critic: rules
-  text_channel: false
-synth:
-  writer: template
-"""
-"""The shared replay night of the tests (tests/conftest.py): every stage writes rows and asks no model."""
+CONFIG = Path(__file__).with_name("replay_night.yaml").read_text()
+"""The replay night, shared with the tests (tests/conftest.py): every stage writes rows and asks no model."""
 
 STAGES = stages()
 

@@ -51,20 +51,8 @@ def trajforge_cli() -> str:
     return exe
 
 
-REPLAY_NIGHT_CONFIG = """
-query_gen:
-  apps: [shop]
-  num_queries: 2
-  deep_search_apps: []
-rollout:
-  policy: replay
-  contexts: 2
-critics:
-  step_critic: rules
-  text_channel: false
-synth:
-  writer: template
-"""
+REPLAY_NIGHT_CONFIG = (Path(__file__).parents[1] / "benchmarks" / "replay_night.yaml").read_text()
+"""The night the fault bench runs too, so its figures and the tests' describe one night."""
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from fault_bench import CONFIG, chain, compare  # the benchmark owns the harness
+from fault_bench import chain, compare  # the benchmark owns the harness
 
 pytestmark = pytest.mark.browser
 
@@ -20,7 +20,6 @@ POINTS = [("rollout", "shards"), ("rollout", "commit"), ("critics", "commit"), (
 
 def test_a_night_killed_at_each_point_and_rerun_equals_the_unbroken_night(replay_night, tmp_path):
     reference, _ = replay_night
-    assert (reference / "trajforge.yaml").read_text().strip() == CONFIG.strip(), "compare like with like"
     result = chain(tmp_path, POINTS)
     assert result.failed is None, result.failed
     assert len(result.killed) >= 3, f"most points passed between polls: killed {result.killed}"
