@@ -61,14 +61,16 @@ def cli_path() -> str:
     return str(Path(sys.executable).with_name("trajforge"))
 
 
-def _env(folder: Path) -> dict[str, str]:
+def cli_env(folder: Path) -> dict[str, str]:
+    """The environment the CLI runs in for a night in `folder`: its own Prefect home, none of the caller's
+    TRAJFORGE_ variables (the config file alone says what the night is)."""
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_")}
     return env | {"COLUMNS": "200", "PREFECT_HOME": str(folder / "prefect")}
 
 
 def night(folder: Path, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     """`trajforge run nightly` in `folder` to its end (a fresh night, or the rerun that resumes one)."""
-    return subprocess.run([cli_path(), "run", "nightly"], cwd=folder, env=_env(folder), capture_output=True,
+    return subprocess.run([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), capture_output=True,
                           text=True, timeout=timeout, check=False)
 
 
@@ -122,7 +124,7 @@ def chain(folder: Path, points: list[Point], poll_s: float = 0.02) -> Chain:
     out = Chain()
     todo = sorted(points, key=all_points().index)
     while True:
-        proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=_env(folder), start_new_session=True,
+        proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         out.reruns += 1
         killed = False
@@ -153,7 +155,7 @@ def killed_at(folder: Path, after_s: float) -> tuple[Point | None, bool]:
     its end: the point it was at (None: before the ledger existed) and whether the rerun finished."""
     (folder / "trajforge.yaml").write_text(CONFIG)
     ledger = sa.create_engine(f"sqlite:///{folder / 'data' / 'warehouse' / 'catalog.db'}")
-    proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=_env(folder), start_new_session=True,
+    proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         proc.wait(timeout=after_s)

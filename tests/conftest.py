@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,7 +52,10 @@ def trajforge_cli() -> str:
     return exe
 
 
-REPLAY_NIGHT_CONFIG = (Path(__file__).parents[1] / "benchmarks" / "replay_night.yaml").read_text()
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the fault tests share the fault bench's harness (fault_bench.py)
+
+REPLAY_NIGHT_CONFIG = (BENCHMARKS / "replay_night.yaml").read_text()
 """The night the fault bench runs too, so its figures and the tests' describe one night."""
 
 

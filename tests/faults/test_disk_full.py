@@ -4,16 +4,12 @@ unbroken one (the session's shared replay night, same config): no row lost, none
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from fault_bench import CONFIG, compare  # the benchmark owns the comparison
+from fault_bench import CONFIG, cli_env, compare  # the benchmark owns the comparison
 
 pytestmark = pytest.mark.browser
 
@@ -34,9 +30,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def run_nightly(exe: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_")}
-    env |= {"COLUMNS": "200", "PREFECT_HOME": str(cwd / "prefect")}
-    return subprocess.run([exe, "run", "nightly"], cwd=cwd, env=env, capture_output=True, text=True, timeout=1200,
+    return subprocess.run([exe, "run", "nightly"], cwd=cwd, env=cli_env(cwd), capture_output=True, text=True,
+                          timeout=1200,
                           check=False)
 
 

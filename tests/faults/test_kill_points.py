@@ -4,12 +4,7 @@ benchmarks/fault_bench.py walks every point; this walks a few, against the sessi
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from fault_bench import chain, compare  # the benchmark owns the harness
 
 pytestmark = pytest.mark.browser

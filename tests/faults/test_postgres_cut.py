@@ -5,7 +5,6 @@ nothing."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import threading
@@ -13,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fault_bench import cli_env
 
 from trajforge.data.catalog import Catalog
 
@@ -82,9 +82,8 @@ class CuttingProxy:
 
 
 def run(exe: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_")}
-    env |= {"COLUMNS": "200", "PREFECT_HOME": str(cwd / "prefect")}
-    return subprocess.run([exe, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    return subprocess.run([exe, *args], cwd=cwd, env=cli_env(cwd), capture_output=True, text=True, timeout=600,
+                          check=False)
 
 
 def test_a_commit_cut_after_the_server_committed_is_found_by_its_key_on_rerun(tmp_path, postgres_url,

@@ -3,7 +3,6 @@ nothing, and the first finishes as if alone (no interleaved commits). A crashed 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -11,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fault_bench import cli_env
 
 from trajforge.data.catalog import Catalog
 from trajforge.data.ledger import Ledger
@@ -25,9 +25,8 @@ query_gen:
 
 
 def start(exe: str, cwd: Path, *args: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_")}
-    env |= {"COLUMNS": "200", "PREFECT_HOME": str(cwd / "prefect")}
-    return subprocess.Popen([exe, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([exe, *args], cwd=cwd, env=cli_env(cwd), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def wait_until_running(proc: subprocess.Popen[str], timeout: float = 120) -> None:
