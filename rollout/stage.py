@@ -202,18 +202,28 @@ class RolloutUnit:
 
 
 def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
-    """The queries of one version, each with the guidance its run wrote for it."""
+    """The queries of one version, each with the guidance written for that version.
+
+    The guidance is the latest guidance stage run that read this very queries version: in a
+    nightly, the run's own; run stage by stage (`trajforge run history`, then `guidance`, then
+    `rollout`, each its own run), the guidance run that followed the history run. Pairing by
+    the queries' run id instead missed the second case (the history run writes queries, a
+    later run the guidance).
+    """
     frame, snapshot = ws.catalog.rows_added("queries", snapshot)
     snapshots = {"queries": snapshot}
     guidance: dict[str, GuidanceRef] = {}
-    lineage = ws.catalog.lineage("queries", snapshot)
-    _, guidance_snapshot = ws.catalog.resolve("guidance@latest")
-    if lineage is not None and guidance_snapshot is not None:
-        rows = ws.catalog.load("guidance", guidance_snapshot).filter(pl.col("run_id") == lineage.run_id)
+    written = [info for info in ws.catalog.history("guidance")
+               if info.lineage is not None and info.lineage.stage == "guidance"
+               and info.lineage.inputs.get("queries") == snapshot]
+    if written:
+        info = written[-1]
+        assert info.lineage is not None
+        rows = ws.catalog.load("guidance", info.snapshot_id).filter(pl.col("run_id") == info.lineage.run_id)
         guidance = {r["query_id"]: GuidanceRef(r["guidance_id"], r["text"])
                     for r in rows.select("query_id", "guidance_id", "text").to_dicts()}
         if guidance:
-            snapshots["guidance"] = guidance_snapshot
+            snapshots["guidance"] = info.snapshot_id
     units = [RolloutUnit(Query.model_validate(q), guidance.get(q["query_id"]), f"queries@{snapshot}")
              for q in frame.to_dicts()]
     return Inputs(units=units, snapshots=snapshots)

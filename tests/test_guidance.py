@@ -157,3 +157,38 @@ def test_model_describer_names_its_model_prompts_and_observation_mode(tmp_path):
         assert row.describer == distilled.model_id
         assert row.prompt_version == "guidance_outcome@1,guidance_summary@1"
         assert row.text.split("\nEssential steps:\n")[0]  # the model's summary comes first
+
+
+def test_rollout_run_alone_finds_the_guidance_written_for_its_queries_version(tmp_path):
+    """Stage by stage, three runs: `history` writes the queries version, `guidance` (another run) guides it, and
+    `rollout` (a third) must hand that guidance to the prompt; a later queries version no guidance read gets none."""
+    from trajforge.data.catalog import Lineage
+    from trajforge.llm.workspace import Workspace
+    from trajforge.rollout.stage import load_queries
+    from trajforge.schemas.records import Guidance
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+
+    def lineage(run: str, stage: str, table: str, **inputs: int) -> Lineage:
+        return Lineage(stage=stage, run_id=run, commit_key=f"{run}:{stage}:{table}", inputs=inputs,
+                       config_hash="x", code_version="x")
+
+    def queries(run: str) -> int:
+        row = Query(run_id=run, query_id="q1", app="shop", source="page_graph", instruction="Open the cart",
+                    path=["home", "cart"], slots_json="{}", checker="url", checker_params_json="{}", max_steps=5,
+                    generator="test", created_at=T0)
+        return ws.catalog.commit_rows("queries", [row], lineage(run, "history", "queries"), mode="overwrite")
+
+    first = queries("history-run")
+    guide_row = Guidance(run_id="guidance-run", guidance_id="g1", query_id="q1", instruction="Open the cart",
+                         text="click 'Cart'", essential_steps=["click 'Cart'"], references=["e1"],
+                         dropped_steps_json="[]", outcomes_json="[]", describer="template", prompt_version="none",
+                         observation_mode="ax-diff", hard_reason="never succeeded")
+    guided = ws.catalog.commit_rows("guidance", [guide_row], lineage("guidance-run", "guidance", "guidance",
+                                                                     queries=first))
+    inputs = load_queries(ws, first)
+    [unit] = inputs.units
+    assert unit.guidance is not None and (unit.guidance.guidance_id, unit.guidance.text) == ("g1", "click 'Cart'")
+    assert inputs.snapshots == {"queries": first, "guidance": guided}  # the rollout's lineage names it
+    later = queries("history-run-2")
+    assert load_queries(ws, later).units[0].guidance is None
