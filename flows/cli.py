@@ -517,14 +517,73 @@ def _source(parts: tuple[str, ...], data: dict[str, Any], path: Path | None, env
     return str(path) if path is not None and has_path(data, parts) else "default"
 
 
+def _prefect_server() -> str:
+    """The Prefect server's API URL, checked to answer.
+
+    Without PREFECT_API_URL each Prefect process starts a temporary server of its own, which
+    keeps no schedule after that process ends and starts none while it runs: a served or
+    deployed nightly would then never run. So `serve` and `deploy` refuse, naming the two
+    commands that give them a server.
+    """
+    import httpx
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if not url:
+        raise _fail("no Prefect server to schedule on (PREFECT_API_URL is not set): start one with "
+                    "`prefect server start`, then `export PREFECT_API_URL=http://127.0.0.1:4200/api`")
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise _crash(f"the Prefect server at {_shown_url(url)} does not answer: {exc}") from None
+    return url
+
+
 @app.command()
-def serve(config: ConfigOpt = None) -> None:
-    """Serve the nightly flow as a Prefect deployment on the configured cron schedule."""
+def deploy(
+    config: ConfigOpt = None,
+    pool: Annotated[str, typer.Option(help="The process work pool whose worker runs the nights (created if missing).")]
+    = "trajforge",
+) -> None:
+    """Deploy the nightly flow to the Prefect server on schedule.cron; a worker of the pool runs it in this folder."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments.runner import EntrypointType
+    from prefect.exceptions import ObjectNotFound
     from prefect.schedules import Cron
 
     from trajforge.flows.pipeline import nightly
 
     settings, _ = _open(config, models=True)
+    url = _prefect_server()
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    params = {"config": str(config.resolve())} if config else {}
+    nightly.deploy(
+        name="nightly", work_pool_name=pool, parameters=params,
+        schedules=[Cron(settings.schedule.cron, timezone=settings.schedule.timezone)],
+        # The worker imports the installed package (no code upload, no image) and runs in this folder, where
+        # trajforge.yaml and the default warehouse are; one night at a time (the warehouse's lock says so too).
+        entrypoint_type=EntrypointType.MODULE_PATH, job_variables={"working_dir": str(Path.cwd())},
+        concurrency_limit=1, build=False, push=False, print_next_steps=False, ignore_warnings=True,
+    )
+    console.print(f"deployed nightly/nightly to work pool {pool!r} at {_shown_url(url)}, on cron "
+                  f"{settings.schedule.cron!r} ({settings.schedule.timezone}); runs need a worker: "
+                  f"prefect worker start --pool {pool}")
+
+
+@app.command()
+def serve(config: ConfigOpt = None) -> None:
+    """Serve the nightly flow as a Prefect deployment on the configured cron schedule, while this process runs."""
+    from prefect.schedules import Cron
+
+    from trajforge.flows.pipeline import nightly
+
+    settings, _ = _open(config, models=True)
+    _prefect_server()
     params = {"config": str(config.resolve())} if config else {}
     console.print(f"serving deployment nightly/nightly on cron {settings.schedule.cron!r} ({settings.schedule.timezone})")
     nightly.serve(

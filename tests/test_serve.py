@@ -61,39 +61,87 @@ def prefect_server(tmp_path):
         proc.wait(timeout=30)
 
 
+CONFIG = (
+    "query_gen:\n  apps: [shop]\n  num_queries: 2\n  atomic_per_app: 0\n  deep_search_apps: []\nrollout:\n  policy: replay\n"
+    # Rule critics: these tests are about the schedule and the served run; with the embedded model judging
+    # every step (about 3.5 minutes on 2 cores) the run outlasted the watch on a busy machine.
+    "critics:\n  step_critic: rules\n  text_channel: false\nsynth:\n  writer: template\n"
+    "schedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
+)
+
+
+def registered(prefect: str, env: dict[str, str]) -> str:
+    """`prefect deployment inspect nightly/nightly` as the server shows it (empty before it exists)."""
+    return subprocess.run([prefect, "deployment", "inspect", "nightly/nightly"], env=env, capture_output=True,
+                          text=True, check=False).stdout
+
+
+def run_deployment(prefect: str, env: dict[str, str]) -> None:
+    run = subprocess.run(
+        [prefect, "deployment", "run", "nightly/nightly", "--watch", "--watch-timeout", "240"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Completed" in run.stdout
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ends a process started in its own group, with the flow runs it started."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def night_written(folder: Path) -> None:
+    ws = Workspace.open(Settings(warehouse={"path": folder / "data" / "warehouse"}))
+    assert ws.catalog.load("verdicts").height == 2
+    assert [t for i in ws.catalog.history("episodes") for t in i.tags if t.startswith("nightly-")]
+
+
 def test_serve_registers_the_schedule_and_runs_the_nightly_flow(tmp_path, prefect_server, chromium, trajforge_cli):
     env, prefect = prefect_server
-    (tmp_path / "trajforge.yaml").write_text(
-        "query_gen:\n  apps: [shop]\n  num_queries: 2\n  atomic_per_app: 0\n  deep_search_apps: []\nrollout:\n  policy: replay\n"
-        # Rule critics: this test is about the schedule and the served run; with the embedded model judging
-        # every step (about 3.5 minutes on 2 cores) the run outlasted the watch on a busy machine.
-        "critics:\n  step_critic: rules\n  text_channel: false\nsynth:\n  writer: template\n"
-        "schedule:\n  cron: '30 3 * * *'\n  timezone: Europe/Paris\n"
-    )
+    (tmp_path / "trajforge.yaml").write_text(CONFIG)
     serve = subprocess.Popen(  # in its own process group: the flow runs it starts must end with it
         [trajforge_cli, "serve"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
-        def registered() -> bool:
-            out = subprocess.run([prefect, "deployment", "inspect", "nightly/nightly"], env=env,
-                                 capture_output=True, text=True).stdout
-            return "30 3 * * *" in out and "Europe/Paris" in out
-
-        wait_for(registered, 90, "the nightly deployment with the configured cron")
-        run = subprocess.run(
-            [prefect, "deployment", "run", "nightly/nightly", "--watch", "--watch-timeout", "240"],
-            env=env, capture_output=True, text=True, timeout=300,
-        )
-        assert run.returncode == 0, run.stdout + run.stderr
-        assert "Completed" in run.stdout
+        wait_for(lambda: "30 3 * * *" in (shown := registered(prefect, env)) and "Europe/Paris" in shown, 90,
+                 "the nightly deployment with the configured cron")
+        run_deployment(prefect, env)
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        try:
-            serve.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait(timeout=30)
-    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
-    assert ws.catalog.load("verdicts").height == 2
-    assert [t for i in ws.catalog.history("episodes") for t in i.tags if t.startswith("nightly-")]
+        stop(serve)
+    night_written(tmp_path)
+
+
+def test_deploy_puts_the_nightly_on_a_process_pool_whose_worker_runs_it(tmp_path, prefect_server, chromium,
+                                                                        trajforge_cli):
+    env, prefect = prefect_server
+    (tmp_path / "trajforge.yaml").write_text(CONFIG)
+    deployed = subprocess.run([trajforge_cli, "deploy"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              check=False)
+    assert deployed.returncode == 0, deployed.stderr
+    assert "prefect worker start --pool trajforge" in deployed.stdout
+    shown = registered(prefect, env)  # deploy returns once the server has it: no process of ours stays behind
+    assert "30 3 * * *" in shown and "Europe/Paris" in shown and str(tmp_path) in shown
+    assert "trajforge.flows.pipeline.nightly" in shown  # the installed package's flow: no code upload, no image
+    worker = subprocess.Popen([prefect, "worker", "start", "--pool", "trajforge"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        run_deployment(prefect, env)
+    finally:
+        stop(worker)
+    night_written(tmp_path)
+
+
+@pytest.mark.parametrize("command", ["deploy", "serve"])
+def test_without_a_prefect_server_deploy_and_serve_say_how_to_start_one(tmp_path, trajforge_cli, command):
+    (tmp_path / "trajforge.yaml").write_text(CONFIG)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    done = subprocess.run([trajforge_cli, command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "prefect server start" in done.stderr and "PREFECT_API_URL" in done.stderr
