@@ -4,7 +4,9 @@ the policy's grammar against free decoding of the same prompts, in the same proc
 The prompts are GUI-Owl's step prompt for a few tasks (no screenshot, so no OCR time); each is
 answered free and constrained, alternating, `--rounds` times, with the response cache off. The
 grammar's answers are shorter (bounded reasoning), so the figure compared is time per token;
-the answer's validity is printed beside it.
+the answer's validity is printed beside it. A third row answers the same constrained prompts
+with transformers' own `generate` and the grammar as a logits mask (one forward pass per token,
+forced ones too), which the in-process model did before it fed forced tokens in one pass.
 
 Prints a table; never asserts.
 
@@ -18,8 +20,10 @@ import time
 
 from trajforge.envs.actions import validate
 from trajforge.llm import Gateway, load_prompt
+from trajforge.llm.local import load
+from trajforge.llm.structured import Constraint, parse
 from trajforge.rollout.gui_owl import ToolCall, call_schema, to_action, tool_spec
-from trajforge.schemas.config import LLMSettings
+from trajforge.schemas.config import LLMSettings, LocalModelSettings
 
 TASKS = ("Open the inbox and read the newest mail", "Add a large Pad Thai to the cart",
          "Turn the volume setting to high", "Create a note titled Groceries")
@@ -38,9 +42,28 @@ def main() -> None:
             gw.chat_sync(prompt.render(platform="mobile", width=WIDTH, height=HEIGHT, tools=tool_spec("mobile"),
                                        function="mobile_use", task="warm up", guidance=None, history=[],
                                        screenshots=[]), schema=ToolCall, json_schema=schema)
+    model = load(LocalModelSettings())
+    grammar = Constraint(prompt.format, schema).grammar
+    figures["constrained, transformers generate"] = {"seconds": 0.0, "tokens": 0, "valid": 0, "answers": 0}
     for _ in range(args.rounds):
         for task in TASKS:
             for mode, numbers in figures.items():
+                if mode == "constrained, transformers generate":  # the model alone, no gateway: same prompt
+                    rendered = prompt.render(platform="mobile", width=WIDTH, height=HEIGHT, tools=tool_spec("mobile"),
+                                             function="mobile_use", task=task, guidance=None, history=[],
+                                             screenshots=[])
+                    start = time.perf_counter()
+                    tokens = model._generate(model._text_inputs(rendered.messages), rendered.sampling, grammar)
+                    numbers["seconds"] += time.perf_counter() - start
+                    numbers["tokens"] += len(tokens)
+                    numbers["answers"] += 1
+                    text = model.tokenizer.decode(tokens, skip_special_tokens=True)
+                    try:
+                        call = parse(text, prompt.format, ToolCall)
+                        numbers["valid"] += validate(to_action(call, "mobile_use"), WIDTH, HEIGHT) is None
+                    except ValueError:
+                        pass
+                    continue
                 rendered = prompt.render(platform="mobile", width=WIDTH, height=HEIGHT, tools=tool_spec("mobile"),
                                          function="mobile_use", task=task, guidance=None, history=[], screenshots=[])
                 with Gateway(LLMSettings(cache=False, reask=0, constrain=mode == "constrained")) as gw:
@@ -54,13 +77,16 @@ def main() -> None:
                         numbers["valid"] += validate(to_action(result.parsed, "mobile_use"), WIDTH, HEIGHT) is None
                     except ValueError:
                         pass
-    print(f"{'decoding':<12} {'answers':>7} {'valid':>6} {'tokens/answer':>13} {'ms/token':>9} {'s/answer':>9}")
+    print(f"{'decoding':<36} {'answers':>7} {'valid':>6} {'tokens/answer':>13} {'ms/token':>9} {'s/answer':>9}")
     for mode, n in figures.items():
-        print(f"{mode:<12} {n['answers']:>7} {n['valid']:>6} {n['tokens'] / n['answers']:>13.0f} "
+        print(f"{mode:<36} {n['answers']:>7} {n['valid']:>6} {n['tokens'] / n['answers']:>13.0f} "
               f"{1000 * n['seconds'] / n['tokens']:>9.1f} {n['seconds'] / n['answers']:>9.1f}")
     free, held = figures["free"], figures["constrained"]
     ratio = (held["seconds"] / held["tokens"]) / (free["seconds"] / free["tokens"])
     print(f"constrained / free, time per token: {ratio:.2f}")
+    old = figures["constrained, transformers generate"]
+    print(f"constrained, forced tokens in one pass / transformers generate, time per answer: "
+          f"{(held['seconds'] / held['answers']) / (old['seconds'] / old['answers']):.2f}")
 
 
 if __name__ == "__main__":

@@ -184,18 +184,13 @@ class LocalModel:
         import torch
 
         inputs = self._vision_inputs(messages) if self.vision else self._text_inputs(messages)
-        options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
-        if grammar is not None:
-            options["logits_processor"] = [_GrammarMask(self._grammar_tokenizer, grammar, inputs["input_ids"].shape[1])]
-        if sampling.temperature > 0:
-            options |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
-        if sampling.stop:
-            options |= {"stop_strings": list(sampling.stop), "tokenizer": self.tokenizer}
         with self._lock, torch.inference_mode():
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-            output = self.model.generate(**inputs, **options, pad_token_id=self.tokenizer.pad_token_id)
-        new = output[0, inputs["input_ids"].shape[1] :].tolist()
+            if grammar is not None and not self.vision:
+                new = self._constrained(inputs["input_ids"], sampling, grammar)
+            else:
+                new = self._generate(inputs, sampling, grammar)
         finished = bool(new) and new[-1] in self._eos
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in sampling.stop) if i >= 0), default=-1)
@@ -203,6 +198,84 @@ class LocalModel:
             text, finished = text[:cut], True
         reason = "stop" if finished or len(new) < sampling.max_tokens else "length"
         return Completion(text, reason, tokens_in=int(inputs["input_ids"].shape[1]), tokens_out=len(new))
+
+
+    def _generate(self, inputs: dict[str, Any], sampling: Sampling, grammar: str | None) -> list[int]:
+        """transformers' own `generate` (free answers, and a vision model's, whose positions it keeps)."""
+        options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
+        if grammar is not None:
+            options["logits_processor"] = [_GrammarMask(self._grammar_tokenizer, grammar, inputs["input_ids"].shape[1])]
+        if sampling.temperature > 0:
+            options |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
+        if sampling.stop:
+            options |= {"stop_strings": list(sampling.stop), "tokenizer": self.tokenizer}
+        output = self.model.generate(**inputs, **options, pad_token_id=self.tokenizer.pad_token_id)
+        new: list[int] = output[0, inputs["input_ids"].shape[1]:].tolist()
+        return new
+
+    def _constrained(self, input_ids: Any, sampling: Sampling, grammar: str) -> list[int]:
+        """A text model's answer held to `grammar`, with the tokens the grammar forces fed in one forward pass.
+
+        A structured answer is largely fixed text (`{"name": "mobile_use", "arguments": {"action": "` and the
+        like, about a third of the policy's tokens): `generate` would spend a forward pass on each, while
+        the grammar already knows them (llguidance's fast-forward tokens). Greedy answers read as
+        `generate`'s did (the same text on the policy prompts tried); a sampled answer draws only where the
+        grammar leaves a choice, so its draws for a seed differ from `generate`'s.
+        """
+        import llguidance
+        import torch
+        from transformers import DynamicCache
+
+        matcher = llguidance.LLMatcher(self._grammar_tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"the answer's grammar does not compile: {matcher.get_error()}")
+        cache = DynamicCache(config=self.model.config)
+        feed, new = input_ids, []
+        while len(new) < sampling.max_tokens:
+            logits = self.model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = logits.masked_fill(~_allowed(matcher, logits.shape[-1]), float("-inf"))
+            token = _draw(logits, sampling)
+            matcher.consume_token(token)
+            new.append(token)
+            if token in self._eos or matcher.is_stopped() or self._stopped(new, sampling.stop):
+                break
+            forced = matcher.compute_ff_tokens()[: max(sampling.max_tokens - len(new), 0)]
+            matcher.consume_tokens(forced)
+            new += forced
+            feed = torch.tensor([[token, *forced]])
+        if matcher.is_error():  # cannot happen for tokens it allowed; kept loud rather than guessed
+            raise RuntimeError(f"constrained decoding left its grammar: {matcher.get_error()}")
+        return new
+
+    def _stopped(self, new: list[int], stop: tuple[str, ...]) -> bool:
+        return bool(stop) and any(s in self.tokenizer.decode(new, skip_special_tokens=True) for s in stop)
+
+
+def _allowed(matcher: Any, vocab: int) -> Any:
+    """The grammar's token mask as booleans over the model's vocabulary (llguidance gives 32 tokens a word)."""
+    import torch
+
+    words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+    allowed = ((words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+    if allowed.numel() < vocab:
+        allowed = torch.cat([allowed, torch.zeros(vocab - allowed.numel(), dtype=torch.bool)])
+    return allowed[:vocab]
+
+
+def _draw(logits: Any, sampling: Sampling) -> int:
+    """The next token: the most likely at temperature 0, else a draw at the temperature within the top-p mass
+    (transformers' order: the mask, then temperature, then top-p)."""
+    import torch
+
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        beyond = ordered.cumsum(-1) - ordered > sampling.top_p  # tokens past the nucleus; the first always stays
+        probs = probs.clone()
+        probs[order[beyond]] = 0
+    return int(torch.multinomial(probs, 1))
 
 
 class _GrammarMask:
@@ -222,7 +295,6 @@ class _GrammarMask:
         self.seen = 0
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import torch
 
         new = input_ids[0, self.prompt_len + self.seen:].tolist()
         if new:
@@ -230,12 +302,7 @@ class _GrammarMask:
             self.seen += len(new)
         if self.matcher.is_error():  # cannot happen for tokens it allowed; kept loud rather than guessed
             raise RuntimeError(f"constrained decoding left its grammar: {self.matcher.get_error()}")
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
-        allowed = ((words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
-        vocab = scores.shape[-1]
-        if allowed.numel() < vocab:
-            allowed = torch.cat([allowed, torch.zeros(vocab - allowed.numel(), dtype=torch.bool)])
-        return scores.masked_fill(~allowed[:vocab], float("-inf"))
+        return scores.masked_fill(~_allowed(self.matcher, scores.shape[-1]), float("-inf"))
 
 
 _LOADING = threading.Lock()

@@ -391,6 +391,33 @@ def test_a_grammar_lets_the_model_write_only_what_it_allows(embedded):
     assert free not in ("yes", "no")  # the grammar, not the prompt, made those answers
 
 
+def test_forced_tokens_fed_in_one_pass_give_generates_greedy_answer_and_a_seeded_draw_repeats(embedded):
+    model = load(LocalModelSettings())
+    rendered = policy_prompt()
+    grammar = Constraint("tool_call", call_schema("mobile", 412, 732)).grammar
+    greedy = Sampling(temperature=0.0, max_tokens=120)
+    ours = model.generate(list(rendered.messages), greedy, grammar)
+    theirs = model._generate(model._text_inputs(list(rendered.messages)), greedy, grammar)  # one pass per token
+    assert ours.text == model.tokenizer.decode(theirs, skip_special_tokens=True)
+    assert ours.tokens_out == len(theirs)
+    drawn = Sampling(temperature=1.0, max_tokens=60, seed=7)
+    assert model.generate(list(rendered.messages), drawn, grammar).text == \
+        model.generate(list(rendered.messages), drawn, grammar).text
+
+
+def test_a_draw_stays_within_the_top_p_nucleus():
+    import torch
+
+    from trajforge.llm.local import _draw
+
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+    torch.manual_seed(0)
+    assert {_draw(logits, Sampling(temperature=1.0, top_p=0.5)) for _ in range(50)} == {0}
+    assert {_draw(logits, Sampling(temperature=1.0, top_p=0.8)) for _ in range(200)} == {0, 1}
+    assert {_draw(logits, Sampling(temperature=1.0)) for _ in range(400)} == {0, 1, 2}
+    assert _draw(logits, Sampling(temperature=0.0)) == 0
+
+
 def test_every_structured_answer_has_a_grammar_that_compiles():
     schemas = [StepJudgement, TrajectoryJudgement, InstructionAnswer, SelectionAnswer, CommandAnswer, Outcome,
                Plan, WorkerAnswer, Reflection, Notes, Described, ManualAnswer, PlanAnswer, Check, YesNo]
