@@ -9,9 +9,11 @@ recorded as missed, not as survived. Then the night is finished by a last rerun 
 unbroken night: rows per table (latest version), every key unique, and the policy's episodes judged as the
 unbroken night judged them (the replay policy succeeds on every query, so a failure is a false one).
 
-    python benchmarks/fault_bench.py [--chains 1] [--random N] [--seed S] [--keep DIR]
+    python benchmarks/fault_bench.py [--chains 1] [--random N] [--browser N] [--seed S] [--keep DIR]
 
-`--random N` also kills N fresh nights each at a random time within the unbroken night's length.
+`--random N` also kills N fresh nights each at a random time within the unbroken night's length;
+`--browser N` kills the Chromium of N fresh nights while their rollouts run, and lets each night go on (its
+episodes that died are environment faults, rerun).
 
 Prints one table: fault | trials | survived | rows lost | rows duplicated | false task failures. Never asserts;
 tests/faults/test_kill_points.py runs one short chain and asserts the same figures are zero.
@@ -20,6 +22,7 @@ tests/faults/test_kill_points.py runs one short chain and asserts the same figur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -166,6 +169,59 @@ def killed_at(folder: Path, after_s: float) -> tuple[Point | None, bool]:
     return (shown[-1] if shown else None), night(folder).returncode == 0
 
 
+def _kill_chromium(root: int) -> int:
+    """SIGKILL every Chromium process descended from `root` (the night's browser and its renderers); how many.
+
+    By descent, not by process group: Playwright starts the browser detached, in a session of its own."""
+    parent: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # it ended meanwhile
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            parent[int(entry.name)], names[int(entry.name)] = int(rest[1]), name
+    below, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        children = [c for c, p in parent.items() if p == pid and c not in below]
+        below.update(children)
+        todo += children
+    killed = 0
+    for pid in below:
+        if "chrom" in names[pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def browser_killed(folder: Path, at: Point = ("rollout", "shards"), poll_s: float = 0.02) -> tuple[int, bool]:
+    """A fresh night in `folder` whose Chromium is SIGKILLed (every process of it) the moment the ledger shows
+    `at`; the night goes on in the same process, which relaunches the browser and reruns the episodes that died
+    with it. Returns how many processes were killed (0: the night passed `at` first) and whether the night
+    finished without a rerun of ours."""
+    (folder / "trajforge.yaml").write_text(CONFIG)
+    ledger = sa.create_engine(f"sqlite:///{folder / 'data' / 'warehouse' / 'catalog.db'}")
+    proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = 0
+    try:
+        while not killed and proc.poll() is None:
+            shown = _phase(ledger)
+            if at in shown:
+                killed = _kill_chromium(proc.pid)
+            elif _passed(at, shown):
+                break
+            time.sleep(poll_s)
+        return killed, proc.wait(timeout=1800) == 0
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 @dataclass
 class Comparison:
     lost: int
@@ -224,6 +280,8 @@ def main() -> None:
     parser.add_argument("--chains", type=int, default=1, help="Chains of kills, each through every point.")
     parser.add_argument("--random", type=int, default=0,
                         help="Nights killed at a random time within the unbroken night's length, each rerun.")
+    parser.add_argument("--browser", type=int, default=0,
+                        help="Nights whose Chromium is killed while the rollouts run; each night goes on (no rerun).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, help="Keep the nights' folders here.")
     args = parser.parse_args()
@@ -261,7 +319,8 @@ def main() -> None:
         for table, (a, b) in result_cmp.tables.items():
             if a != b:
                 print(f"  {table}: {a} rows unbroken, {b} after the kills")
-    rows.append(("SIGKILL of the nightly (chain of points)", trials, survived, lost, dup, false))
+    if args.chains:
+        rows.append(("SIGKILL of the nightly (chain of points)", trials, survived, lost, dup, false))
     rng = random.Random(args.seed)
     totals = [0, 0, 0, 0, 0]
     for n in range(args.random):
@@ -277,8 +336,26 @@ def main() -> None:
               + (f"; {got.rendered} screenshots painted differently" if got.rendered else ""))
     if args.random:
         rows.append(("SIGKILL of the nightly (random time)", *totals))
-    print(f"\nkill points ({len(killed)} distinct): "
-          + ", ".join(f"{stage}:{phase}" for stage, phase in all_points() if (stage, phase) in killed))
+    totals = [0, 0, 0, 0, 0]
+    for n in range(args.browser):
+        folder = root / f"browser-{n}"
+        folder.mkdir(exist_ok=True)
+        processes, finished = browser_killed(folder)
+        got = compare(reference, folder)
+        faults = Workspace.open(Settings(warehouse={"path": folder / "data" / "warehouse"})).catalog.load(
+            "episodes").filter(pl.col("status") == "env_fault").height
+        ok = processes > 0 and finished and not (got.lost or got.duplicated or got.false_failures)
+        for i, value in enumerate((int(processes > 0), ok, got.lost, got.duplicated, got.false_failures)):
+            totals[i] += value
+        print(f"browser {n}: " + (f"{processes} Chromium processes killed during the rollouts, {faults} episodes "
+                                  "ended by it and rerun" if processes else "the rollouts ended before the kill")
+              + ("" if finished else "; the night failed")
+              + (f"; {got.rendered} screenshots painted differently" if got.rendered else ""))
+    if args.browser:
+        rows.append(("SIGKILL of Chromium during the rollouts (the night goes on)", *totals))
+    if killed:
+        print(f"\nkill points ({len(killed)} distinct): "
+              + ", ".join(f"{stage}:{phase}" for stage, phase in all_points() if (stage, phase) in killed))
     if missed:
         print("passed between polls: " + ", ".join(f"{s}:{p}" for s, p in all_points() if (s, p) in missed))
     header = ("fault", "trials", "survived", "rows lost", "rows duplicated", "false task failures")
