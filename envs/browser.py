@@ -84,6 +84,8 @@ INTERACTIVE_ROLES = {
 }
 # Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
 _APP_STORAGE = "local_storage,indexeddb,websql,cache_storage,service_workers,file_systems"
+_SCREENSHOT_TRIES = 4
+"""Captures asked for before "Unable to capture screenshot" is a fault (`BrowserEnv._screenshot`)."""
 # How a dead server shows in Playwright's and Chromium's errors.
 _SERVER_DOWN = ("ECONNREFUSED", "ECONNRESET", "ERR_CONNECTION_REFUSED", "ERR_CONNECTION_RESET",
                 "ERR_EMPTY_RESPONSE", "ERR_CONNECTION_CLOSED", "socket hang up")
@@ -460,7 +462,7 @@ class BrowserEnv:
     async def _observe(self) -> Observation:
         assert self._cdp is not None and self._page is not None
         shot, tree, snapshot = await asyncio.gather(
-            self._cdp.send("Page.captureScreenshot", {"format": "png"}),
+            self._screenshot(),
             self._cdp.send("Accessibility.getFullAXTree"),
             self._cdp.send("DOMSnapshot.captureSnapshot", {"computedStyles": [], "includePaintOrder": True}),
         )
@@ -479,6 +481,25 @@ class BrowserEnv:
         self._seen = (tree["nodes"], boxes)
         title = strings[doc["title"]] if doc["title"] >= 0 else ""
         return Observation(png, width, height, self._page.url, title, tuple(nodes), focused)
+
+    async def _screenshot(self) -> dict[str, Any]:
+        """`Page.captureScreenshot`, asked again when Chromium had no frame to give yet.
+
+        On a loaded machine Chromium sometimes answers "Unable to capture screenshot" right after
+        a navigation (its compositor has not produced the new page's first frame): seen in CI
+        with three browser-heavy processes on 2 cores. The next frame comes within a few
+        milliseconds, so it is asked for again, a few times, before it counts as a fault.
+        """
+        assert self._cdp is not None
+        for attempt in range(_SCREENSHOT_TRIES):
+            try:
+                shot: dict[str, Any] = await self._cdp.send("Page.captureScreenshot", {"format": "png"})
+                return shot
+            except PlaywrightError as exc:
+                if "Unable to capture screenshot" not in str(exc) or attempt == _SCREENSHOT_TRIES - 1:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")  # pragma: no cover - the last try raises
 
     def act(self, action: dict[str, Any]) -> str | None:
         """Execute one action; returns why it is invalid (nothing done), or None.
