@@ -149,10 +149,11 @@ class Ledger:
                 key = int(digest(f"trajforge-writer:{self.engine.url.database}:{self.scope}", 15), 16)
                 # A killed holder's lock goes when its server process sees the connection close, a moment
                 # after the kill (a CI run caught it still held): ask again for up to 2 s before refusing.
-                for _ in range(5):
+                for attempt in range(5):
+                    if attempt:
+                        time.sleep(0.5)
                     if conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
                         break
-                    time.sleep(0.5)
                 else:
                     raise RunLocked(f"another run is writing to this warehouse ({self.scope or 'catalog'} in database "
                                     f"{self.engine.url.database!r} on {self.engine.url.host}); runs not finished: "

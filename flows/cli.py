@@ -517,6 +517,14 @@ def _source(parts: tuple[str, ...], data: dict[str, Any], path: Path | None, env
     return str(path) if path is not None and has_path(data, parts) else "default"
 
 
+def _nightly_deployment(config: Path | None, settings: Settings) -> dict[str, Any]:
+    """What `deploy` and `serve` both give Prefect: the config's path as the flow's parameter, and the cron."""
+    from prefect.schedules import Cron
+
+    return {"parameters": {"config": str(config.resolve())} if config else {},
+            "schedules": [Cron(settings.schedule.cron, timezone=settings.schedule.timezone)]}
+
+
 def _prefect_server() -> str:
     """The Prefect server's API URL, checked to answer.
 
@@ -550,7 +558,6 @@ def deploy(
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.deployments.runner import EntrypointType
     from prefect.exceptions import ObjectNotFound
-    from prefect.schedules import Cron
 
     from trajforge.flows.pipeline import nightly
 
@@ -561,10 +568,8 @@ def deploy(
             client.read_work_pool(pool)
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-    params = {"config": str(config.resolve())} if config else {}
     nightly.deploy(
-        name="nightly", work_pool_name=pool, parameters=params,
-        schedules=[Cron(settings.schedule.cron, timezone=settings.schedule.timezone)],
+        name="nightly", work_pool_name=pool, **_nightly_deployment(config, settings),
         # The worker imports the installed package (no code upload, no image) and runs in this folder, where
         # trajforge.yaml and the default warehouse are; one night at a time (the warehouse's lock says so too).
         entrypoint_type=EntrypointType.MODULE_PATH, job_variables={"working_dir": str(Path.cwd())},
@@ -578,19 +583,12 @@ def deploy(
 @app.command()
 def serve(config: ConfigOpt = None) -> None:
     """Serve the nightly flow as a Prefect deployment on the configured cron schedule, while this process runs."""
-    from prefect.schedules import Cron
-
     from trajforge.flows.pipeline import nightly
 
     settings, _ = _open(config, models=True)
     _prefect_server()
-    params = {"config": str(config.resolve())} if config else {}
     console.print(f"serving deployment nightly/nightly on cron {settings.schedule.cron!r} ({settings.schedule.timezone})")
-    nightly.serve(
-        name="nightly",
-        schedules=[Cron(settings.schedule.cron, timezone=settings.schedule.timezone)],
-        parameters=params,
-    )
+    nightly.serve(name="nightly", **_nightly_deployment(config, settings))
 
 
 if __name__ == "__main__":

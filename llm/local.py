@@ -199,7 +199,6 @@ class LocalModel:
         reason = "stop" if finished or len(new) < sampling.max_tokens else "length"
         return Completion(text, reason, tokens_in=int(inputs["input_ids"].shape[1]), tokens_out=len(new))
 
-
     def _generate(self, inputs: dict[str, Any], sampling: Sampling, grammar: str | None) -> list[int]:
         """transformers' own `generate` (free answers, and a vision model's, whose positions it keeps)."""
         options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
@@ -222,13 +221,10 @@ class LocalModel:
         `generate`'s did (the same text on the policy prompts tried); a sampled answer draws only where the
         grammar leaves a choice, so its draws for a seed differ from `generate`'s.
         """
-        import llguidance
         import torch
         from transformers import DynamicCache
 
-        matcher = llguidance.LLMatcher(self._grammar_tokenizer, grammar)
-        if matcher.is_error():
-            raise ValueError(f"the answer's grammar does not compile: {matcher.get_error()}")
+        matcher = _matcher(self._grammar_tokenizer, grammar)
         cache = DynamicCache(config=self.model.config)
         feed, new = input_ids, []
         while len(new) < sampling.max_tokens:
@@ -243,12 +239,27 @@ class LocalModel:
             matcher.consume_tokens(forced)
             new += forced
             feed = torch.tensor([[token, *forced]])
-        if matcher.is_error():  # cannot happen for tokens it allowed; kept loud rather than guessed
-            raise RuntimeError(f"constrained decoding left its grammar: {matcher.get_error()}")
+        _check(matcher)
         return new
 
     def _stopped(self, new: list[int], stop: tuple[str, ...]) -> bool:
         return bool(stop) and any(s in self.tokenizer.decode(new, skip_special_tokens=True) for s in stop)
+
+
+def _matcher(tokenizer: Any, grammar: str) -> Any:
+    """llguidance's matcher for one answer; a grammar that does not compile is the caller's error."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    if matcher.is_error():
+        raise ValueError(f"the answer's grammar does not compile: {matcher.get_error()}")
+    return matcher
+
+
+def _check(matcher: Any) -> None:
+    """Cannot fail for tokens the matcher allowed; kept loud rather than guessed."""
+    if matcher.is_error():
+        raise RuntimeError(f"constrained decoding left its grammar: {matcher.get_error()}")
 
 
 def _allowed(matcher: Any, vocab: int) -> Any:
@@ -286,22 +297,16 @@ class _GrammarMask:
     """
 
     def __init__(self, tokenizer: Any, grammar: str, prompt_len: int) -> None:
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
-        if self.matcher.is_error():
-            raise ValueError(f"the answer's grammar does not compile: {self.matcher.get_error()}")
+        self.matcher = _matcher(tokenizer, grammar)
         self.prompt_len = prompt_len
         self.seen = 0
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-
         new = input_ids[0, self.prompt_len + self.seen:].tolist()
         if new:
             self.matcher.consume_tokens(new)
             self.seen += len(new)
-        if self.matcher.is_error():  # cannot happen for tokens it allowed; kept loud rather than guessed
-            raise RuntimeError(f"constrained decoding left its grammar: {self.matcher.get_error()}")
+        _check(self.matcher)
         return scores.masked_fill(~_allowed(self.matcher, scores.shape[-1]), float("-inf"))
 
 
