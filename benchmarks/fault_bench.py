@@ -40,7 +40,7 @@ import sqlalchemy as sa
 
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import Settings
+from trajforge.schemas.config import Settings, WarehouseSettings
 from trajforge.schemas.tables import record_model
 
 CONFIG = Path(__file__).with_name("replay_night.yaml").read_text()
@@ -234,8 +234,8 @@ class Comparison:
     per-screen tables (`PER_SCREEN`) may differ in rows, and only their duplicated keys count."""
 
 
-def _latest(warehouse: Path) -> dict[str, pl.DataFrame]:
-    ws = Workspace.open(Settings(warehouse={"path": warehouse}))
+def _latest(warehouse: WarehouseSettings) -> dict[str, pl.DataFrame]:
+    ws = Workspace.open(Settings(warehouse=warehouse))
     return {name: ws.catalog.load(name) for name in ws.catalog.tables()}
 
 
@@ -245,13 +245,13 @@ def _judged(tables: dict[str, pl.DataFrame]) -> int:
     return 0 if verdicts is None else int((~verdicts["success"]).sum())
 
 
-def compare(reference: Path, faulted: Path, warehouse: Path | None = None) -> Comparison:
-    """Rows per table, duplicated keys and false failures of the night in folder `faulted` (its warehouse at
-    `warehouse` when the config moved it) against the unbroken night in folder `reference`. Episodes ended by
-    an environment fault (and their reruns) are left out: a loaded machine makes them in either night, and
-    each is rerun by design."""
-    ref = _latest(reference / "data" / "warehouse")
-    got = _latest(warehouse or faulted / "data" / "warehouse")
+def compare(reference: Path, faulted: Path, warehouse: WarehouseSettings | None = None) -> Comparison:
+    """Rows per table, duplicated keys and false failures of the night in folder `faulted` (its warehouse as
+    `warehouse` says when the config moved it or its catalog) against the unbroken night in folder
+    `reference`. Episodes ended by an environment fault (and their reruns) are left out: a loaded machine
+    makes them in either night, and each is rerun by design."""
+    ref = _latest(WarehouseSettings(path=reference / "data" / "warehouse"))
+    got = _latest(warehouse or WarehouseSettings(path=faulted / "data" / "warehouse"))
     # Chromium does not always paint a screen identically (a caret, a focus ring caught mid-fade): a screen
     # that differs is one more distinct screen for grounding, whose rows are per distinct screen.
     rendered = len(_screens(ref) ^ _screens(got))

@@ -180,7 +180,8 @@ def run(
     fresh: Annotated[bool, typer.Option(help="Start a new run even if an unfinished one can be resumed.")] = False,
 ) -> None:
     """Run the nightly pipeline, or rerun a single stage on a chosen input version."""
-    from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity, run_workspace
+    from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity
+    from trajforge.tasks.prefect_tasks import run_workspace
 
     if stage != "nightly" and stage not in STAGES:
         raise _fail(f"unknown stage {stage!r}; choose nightly or one of: {', '.join(STAGES)}")

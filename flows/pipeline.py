@@ -8,14 +8,11 @@ about a second of heartbeat wait each (shared/FACTS.md).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.futures import wait
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.envs.kinds import configured_kinds
 from trajforge.flows.stages import stages
@@ -25,15 +22,10 @@ from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ConfigError, Settings, load_settings
 from trajforge.schemas.ids import digest
 from trajforge.synth.report import write_report
-from trajforge.tasks.prefect_tasks import shard_task
+from trajforge.tasks.prefect_tasks import portable, run_workspace, shard_task, task_runner, workspace
 from trajforge.tasks.runner import Stage, commit, plan
 
 STAGES = stages()
-
-_WORKSPACES: dict[str, Workspace] = {}
-"""Run id -> the run's open workspace. Prefect parameters must be plain values, so the stage flows of a run
-find the workspace its caller opened here, by run id, instead of loading the config and opening the catalog
-again; a flow started alone (a deployment, `trajforge run STAGE` in another process) opens its own."""
 
 
 def preflight(config: str | None, models: bool = True) -> Settings:
@@ -41,6 +33,9 @@ def preflight(config: str | None, models: bool = True) -> Settings:
     demonstrations file and, with `models`, the models the config asks (`_check_models`), so a scheduled run
     fails in seconds."""
     settings = load_settings(Path(config) if config else None)
+    if settings.runner.engine == "dask" and settings.warehouse.catalog_url is None:
+        raise ConfigError("runner.engine: dask needs warehouse.catalog_url (a PostgreSQL catalog): the workers "
+                          "record their shards in the catalog's database from other processes and machines")
     configured_kinds(settings)
     if settings.guidance.demonstrations is not None:  # read by the guidance stage, after query generation
         try:
@@ -95,18 +90,10 @@ def _check_models(settings: Settings) -> None:
             raise ConfigError(str(exc)) from None
 
 
-@contextmanager
-def run_workspace(run_id: str, ws: Workspace) -> Iterator[Workspace]:
-    """Make `ws` the workspace of every flow of run `run_id` while the block runs."""
-    _WORKSPACES[run_id] = ws
-    try:
-        yield ws
-    finally:
-        _WORKSPACES.pop(run_id, None)
-
-
 def _workspace(run_id: str | None, config: str | None) -> Workspace:
-    ws = _WORKSPACES.get(run_id) if run_id is not None else None
+    """The workspace the caller of run `run_id` opened (`run_workspace`: Prefect parameters must be plain
+    values, so the flows find it by run id); a flow started alone (a deployment) opens its own."""
+    ws = workspace(run_id) if run_id is not None else None
     return ws if ws is not None else Workspace.open(preflight(config))
 
 
@@ -120,10 +107,13 @@ async def _run_stage(stage: Stage, ws: Workspace, run_id: str, input_snapshot: i
     if already is not None:
         return already
     p = plan(stage, ws, run_id, input_snapshot)
-    futures = [shard_task.submit(p, shard, ws) for shard in p.pending]
-    wait(futures)
-    for f in futures:
-        f.result()  # re-raise the first shard failure; done shards stay recorded
+    settings = portable(ws.settings)
+    with task_runner(run_id, stage.workers(ws.settings)) as runner:
+        futures = [runner.submit(shard_task, {"plan": p, "shard": shard, "settings": settings})
+                   for shard in p.pending]
+        wait(futures)
+        for f in futures:
+            f.result()  # re-raise the first shard failure; done shards stay recorded
     snapshots = commit(p, ws)
     if stage.summary is not None and snapshots:
         table = next(iter(snapshots))
@@ -145,7 +135,8 @@ def _stage_flow(stage: Stage):
             return await _run_stage(stage, ws, run_id, input_snapshot)
         with ws.ledger.writing(stage.name):
             run_id = ws.ledger.open_run(stage.name, run_identity(stage.name, ws.settings, str(input_snapshot))).run_id
-            snapshots = await _run_stage(stage, ws, run_id, input_snapshot)
+            with run_workspace(run_id, ws):
+                snapshots = await _run_stage(stage, ws, run_id, input_snapshot)
             ws.ledger.finish_run(run_id, {"snapshots": snapshots})
         return snapshots
 
@@ -153,11 +144,6 @@ def _stage_flow(stage: Stage):
 
 
 STAGE_FLOWS = {name: _stage_flow(stage) for name, stage in STAGES.items()}
-
-
-def _with_workers(stage: str, settings: Settings):
-    workers = STAGES[stage].workers(settings)
-    return STAGE_FLOWS[stage].with_options(task_runner=ThreadPoolTaskRunner(max_workers=workers))
 
 
 @flow(name="nightly", log_prints=True)
@@ -168,17 +154,16 @@ async def nightly(config: str | None = None, run_id: str | None = None) -> dict[
     if run_id is None:  # a run of its own (a deployment's): it holds the warehouse; the CLI holds it for its runs
         with ws.ledger.writing("nightly"):
             run_id = ws.ledger.open_run("nightly", run_identity("nightly", ws.settings)).run_id
-            return await _nightly(ws, run_id, config)
+            with run_workspace(run_id, ws):
+                return await _nightly(ws, run_id, config)
     return await _nightly(ws, run_id, config)
 
 
 async def _nightly(ws: Workspace, run_id: str, config: str | None) -> dict[str, Any]:
     snapshots: dict[str, int] = {}
-    with run_workspace(run_id, ws):
-        for name, stage in STAGES.items():
-            input_snapshot = snapshots.get(stage.reads) if stage.reads is not None else None
-            snapshots |= await _with_workers(name, ws.settings)(input_snapshot=input_snapshot, run_id=run_id,
-                                                                config=config)
+    for name, stage in STAGES.items():
+        input_snapshot = snapshots.get(stage.reads) if stage.reads is not None else None
+        snapshots |= await STAGE_FLOWS[name](input_snapshot=input_snapshot, run_id=run_id, config=config)
     tag = ws.run_tag(run_id)
     for table, snapshot in snapshots.items():
         ws.catalog.tag(table, snapshot, tag)

@@ -232,6 +232,25 @@ class CriticSettings(_Section):
     episodes_per_shard: int = Field(default=50, gt=0, description="Episodes judged per resumable unit of work.")
 
 
+class RunnerSettings(_Section):
+    """Where a stage's shards run. The engine changes no row: a stage's config hash does not include it."""
+
+    engine: Literal["threads", "dask"] = Field(
+        default="threads",
+        description="threads: the shards of a stage run in this process (Prefect's thread task runner, "
+        "each stage's own `workers`); dask: they run on a Dask cluster through prefect-dask, each worker "
+        "process opening its own browser, models and catalog connection.",
+    )
+    dask_address: str | None = Field(
+        default=None,
+        description="engine dask: the scheduler of an existing cluster (tcp://host:8786); its workers must see "
+        "the warehouse folder at the same absolute path and the catalog database. None: a LocalCluster of "
+        "`workers` processes lives as long as the run.",
+    )
+    workers: int = Field(default=2, gt=0, description="engine dask without an address: the LocalCluster's "
+                         "worker processes (one thread each).")
+
+
 class ScheduleSettings(_Section):
     cron: str = Field(default="0 2 * * *", description="When `trajforge serve` runs the nightly flow.")
     timezone: str = "UTC"
@@ -498,6 +517,7 @@ class Settings(BaseSettings):
     rollout: RolloutSettings = RolloutSettings()
     critics: CriticSettings = CriticSettings()
     schedule: ScheduleSettings = ScheduleSettings()
+    runner: RunnerSettings = RunnerSettings()
     llm: LLMSettings = LLMSettings()
     loop: LoopSettings = LoopSettings()
     guidance: GuidanceSettings = GuidanceSettings()

@@ -80,7 +80,7 @@ class StageDef(Generic[W, U]):
     run: Callable[[list[U], W, str, str], StageOutput]
     shard_size: Callable[[Settings], int]
     workers: Callable[[Settings], int] = lambda s: 1
-    """Shards run at once (Prefect's thread task runner)."""
+    """Shards run at once on the thread engine (`runner.engine: threads`); on Dask, the cluster's workers."""
     summary: Callable[[dict[str, int]], str | None] | None = None
     """One line for the person watching the run, from the stage's summed counts (its lineage's stats); the
     flow prints it after the commit."""

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from fault_bench import CONFIG, cli_env, compare  # the benchmark owns the comparison
 
+from trajforge.schemas.config import WarehouseSettings
+
 pytestmark = pytest.mark.browser
 
 
@@ -49,6 +51,6 @@ def test_a_night_that_fills_the_disk_stops_and_resumes_when_there_is_room(small_
     rerun = run_nightly(trajforge_cli, night)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "resuming run" in rerun.stdout
-    got = compare(reference, night, warehouse=small_disk / "warehouse")
+    got = compare(reference, night, WarehouseSettings(path=small_disk / "warehouse"))
     differing = {t: rows for t, rows in got.tables.items() if rows[0] != rows[1]}
     assert (got.lost, got.duplicated, got.false_failures) == (0, 0, 0), differing
