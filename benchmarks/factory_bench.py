@@ -1,0 +1,147 @@
+"""The whole factory, model aside: a night with the reference-replay policy and rule critics, end to end.
+
+Each night is `trajforge run nightly` as a user runs it (Prefect, catalog, ledger, blobs, OCR and every stage
+included) over the bundled apps' queries with `rollout.policy: replay`, rule critics and template writers, so
+no model is asked and the figure is the factory's own. It is compared with the environment pool's steps/s
+measured in the same process just before (benchmarks/env_bench.py's EnvPool loop on MiniWoB++ at 4
+contexts): the target is a night at 0.5 or more of it. Steps are the night's `steps` rows (the reference
+replays and the policy's episodes); the episodes likewise.
+
+Then the same night on Dask (`runner.engine: dask`, a LocalCluster of 1, 2 and 4 worker processes, the
+catalog on PostgreSQL). On 2 cores the scaling is flat; it is printed for larger machines.
+
+    python benchmarks/factory_bench.py [--apps shop,mail,calendar,notes,settings,writer] [--queries 2]
+                                       [--dask 1,2,4] [--env-steps 100] [--keep DIR]
+
+Prints a table of nights and each night's time per stage; never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import Settings, WarehouseSettings
+
+sys.path.insert(0, str(Path(__file__).parent))
+from env_bench import env_pool, episodes, serve_miniwob  # the env bench's loop, not a copy
+from fault_bench import cli_env, cli_path
+
+POSTGRES = "postgresql://postgres@127.0.0.1:5432"
+"""The server; each Dask night gets a database of its own, so its OCR cache starts as cold as the thread
+night's new SQLite warehouse (the cache is per catalog database, shared by its namespaces)."""
+
+CONFIG = """\
+query_gen:
+  apps: [{apps}]
+  num_queries: {queries}
+  deep_search_apps: []
+rollout:
+  policy: replay
+  contexts: 4
+critics:
+  step_critic: rules
+  text_channel: false
+synth:
+  writer: template
+"""
+
+_LOG = re.compile(r"^(\d\d:\d\d:\d\d\.\d+) \| INFO +\| Flow run '([^']+)' - (?:Beginning subflow run '[^']+' for flow "
+                  r"'stage-([a-z-]+)'|Finished in state)")
+"""Prefect's flow-run log lines: a stage's subflow beginning (with the stage) and any flow run finishing."""
+
+
+def stage_seconds(log: str) -> dict[str, float]:
+    """Seconds each stage's subflow ran, from the night's Prefect log lines."""
+    begun: dict[str, tuple[str, datetime]] = {}
+    out: dict[str, float] = defaultdict(float)
+    for line in log.splitlines():
+        m = _LOG.match(line)
+        if m is None:
+            continue
+        at, run, stage = datetime.strptime(m[1], "%H:%M:%S.%f"), m[2], m[3]
+        if stage:
+            begun[run] = (stage, at)
+        elif run in begun:
+            name, start = begun.pop(run)
+            out[name] += (at - start).total_seconds() % 86400
+    return dict(out)
+
+
+def night(folder: Path, config: str, warehouse: WarehouseSettings) -> dict[str, object]:
+    """One night in `folder`: its wall time, episodes, steps and time per stage."""
+    folder.mkdir(parents=True)
+    (folder / "trajforge.yaml").write_text(config)
+    start = time.perf_counter()
+    proc = subprocess.run([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), capture_output=True,
+                          text=True, check=False)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"trajforge run nightly failed in {folder}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    catalog = Workspace.open(Settings(warehouse=warehouse)).catalog
+    return {"wall_s": wall, "episodes": catalog.load("episodes").height, "steps": catalog.load("steps").height,
+            "stages": stage_seconds(proc.stdout + proc.stderr)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--apps", default="shop,mail,calendar,notes,settings,writer")
+    parser.add_argument("--queries", type=int, default=2, help="Page-graph queries per app (query_gen.num_queries).")
+    parser.add_argument("--dask", default="1,2,4", help="Dask worker counts to run the night on ('' for none).")
+    parser.add_argument("--env-steps", type=int, default=100, help="Steps per MiniWoB++ task of the env pool run.")
+    parser.add_argument("--keep", type=Path, help="Keep the nights' folders here.")
+    args = parser.parse_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="factory-bench-"))
+    config = CONFIG.format(apps=", ".join(args.apps.split(",")), queries=args.queries)
+
+    with serve_miniwob() as base:
+        pool = env_pool(base, episodes(args.env_steps, 20), 4)["steps_per_s"]
+    print(f"env pool, 4 contexts: {pool:.1f} steps/s")
+
+    rows = [("threads", 1, night(root / "threads", config, WarehouseSettings(path=root / "threads/data/warehouse")))]
+    for workers in [int(w) for w in args.dask.split(",") if w]:
+        database = f"factory_{uuid.uuid4().hex[:8]}"
+        try:
+            with psycopg.connect(f"{POSTGRES}/postgres", connect_timeout=2, autocommit=True) as conn:
+                conn.execute(f"CREATE DATABASE {database}")
+        except psycopg.Error as exc:
+            print(f"dask nights skipped: PostgreSQL not reachable ({exc})")
+            break
+        url = f"{POSTGRES.replace('postgresql:', 'postgresql+psycopg:')}/{database}"
+        folder = root / f"dask-{workers}"
+        dask = f"{config}warehouse:\n  catalog_url: {url}\nrunner:\n  engine: dask\n  workers: {workers}\n"
+        try:
+            rows.append(("dask", workers, night(folder, dask, WarehouseSettings(
+                path=folder / "data/warehouse", catalog_url=url))))
+        finally:
+            with psycopg.connect(f"{POSTGRES}/postgres", autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE {database} WITH (FORCE)")
+
+    print("\n| engine | workers | night s | episodes | steps | episodes/s | steps/s | of the env pool (target 0.5) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for engine, workers, r in rows:
+        wall, eps, steps = float(r["wall_s"]), int(r["episodes"]), int(r["steps"])  # type: ignore[arg-type]
+        print(f"| {engine} | {workers} | {wall:.1f} | {eps} | {steps} | {eps / wall:.3f} | {steps / wall:.2f} | "
+              f"{steps / wall / pool:.3f} |")
+    print("\nseconds per stage:")
+    stages = list(rows[0][2]["stages"])  # type: ignore[arg-type]
+    print("| stage | " + " | ".join(f"{e} {w}" for e, w, _ in rows) + " |")
+    print("| --- |" + " --- |" * len(rows))
+    for stage in stages:
+        print(f"| {stage} | " + " | ".join(f"{r['stages'].get(stage, 0):.1f}" for _, _, r in rows) + " |")  # type: ignore[union-attr]
+    print(f"\nnights kept in {root}" if args.keep else "")
+
+
+if __name__ == "__main__":
+    main()
