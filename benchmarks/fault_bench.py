@@ -9,11 +9,14 @@ recorded as missed, not as survived. Then the night is finished by a last rerun 
 unbroken night: rows per table (latest version), every key unique, and the policy's episodes judged as the
 unbroken night judged them (the replay policy succeeds on every query, so a failure is a false one).
 
-    python benchmarks/fault_bench.py [--chains 1] [--random N] [--browser N] [--seed S] [--keep DIR]
+    python benchmarks/fault_bench.py [--chains 1] [--random N] [--browser N] [--dask N] [--seed S] [--keep DIR]
 
 `--random N` also kills N fresh nights each at a random time within the unbroken night's length;
 `--browser N` kills the Chromium of N fresh nights while their rollouts run, and lets each night go on (its
 episodes that died are environment faults, rerun).
+`--dask N` runs N fresh nights on a Dask LocalCluster of two worker processes (each in a PostgreSQL database
+of its own) and SIGKILLs one worker while the rollouts run; Dask hands its shard to a worker, and a night
+that failed anyway is rerun.
 
 Prints one table: fault | trials | survived | rows lost | rows duplicated | false task failures. Never asserts;
 tests/faults/test_kill_points.py runs one short chain and asserts the same figures are zero.
@@ -31,7 +34,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,7 +90,7 @@ def _phase(ledger: sa.Engine) -> list[Point]:
             done = dict(conn.execute(sa.text("SELECT stage, count(*) FROM trajforge_shards GROUP BY stage")).all())
             finished = conn.execute(sa.text(
                 "SELECT count(*) FROM trajforge_runs WHERE flow = 'nightly' AND status != 'running'")).scalar()
-    except sa.exc.OperationalError:  # the ledger is not created yet
+    except (sa.exc.OperationalError, sa.exc.ProgrammingError):  # the ledger is not created yet (SQLite, PostgreSQL)
         return []
     shown: list[Point] = []
     committed = 0
@@ -169,33 +174,48 @@ def killed_at(folder: Path, after_s: float) -> tuple[Point | None, bool]:
     return (shown[-1] if shown else None), night(folder).returncode == 0
 
 
-def _kill_chromium(root: int) -> int:
-    """SIGKILL every Chromium process descended from `root` (the night's browser and its renderers); how many.
-
-    By descent, not by process group: Playwright starts the browser detached, in a session of its own."""
+def _descendants(root: int) -> dict[int, tuple[str, str]]:
+    """Every process descended from `root`: pid -> (its name, its command line). By descent, not by process
+    group: Playwright starts the browser detached, in a session of its own."""
     parent: dict[int, int] = {}
-    names: dict[int, str] = {}
+    names: dict[int, tuple[str, str]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except (FileNotFoundError, ProcessLookupError):
                 continue  # it ended meanwhile
             name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-            parent[int(entry.name)], names[int(entry.name)] = int(rest[1]), name
+            parent[int(entry.name)], names[int(entry.name)] = int(rest[1]), (name, cmdline)
     below, todo = set(), [root]
     while todo:
         pid = todo.pop()
         children = [c for c, p in parent.items() if p == pid and c not in below]
         below.update(children)
         todo += children
+    return {pid: names[pid] for pid in below}
+
+
+def _kill(pids: list[int]) -> int:
     killed = 0
-    for pid in below:
-        if "chrom" in names[pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
     return killed
+
+
+def _kill_chromium(root: int) -> int:
+    """SIGKILL every Chromium process descended from `root` (the night's browser and its renderers); how many."""
+    return _kill([pid for pid, (name, _) in _descendants(root).items() if "chrom" in name])
+
+
+def _kill_dask_worker(root: int) -> int:
+    """SIGKILL one worker process of the LocalCluster the night in process `root` started (its nanny, in the
+    night's process, starts a new one); 1, or 0 when none is up yet."""
+    workers = sorted(pid for pid, (_, cmdline) in _descendants(root).items() if "spawn_main" in cmdline)
+    return _kill(workers[:1])
 
 
 def browser_killed(folder: Path, at: Point = ("rollout", "shards"), poll_s: float = 0.02) -> tuple[int, bool]:
@@ -220,6 +240,52 @@ def browser_killed(folder: Path, at: Point = ("rollout", "shards"), poll_s: floa
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+
+
+POSTGRES = "postgresql://postgres@127.0.0.1:5432"
+
+
+@contextlib.contextmanager
+def postgres_database() -> Iterator[str]:
+    """A PostgreSQL database of its own for one night (its ledger, catalog and OCR cache), dropped after; yields
+    its SQLAlchemy URL."""
+    import psycopg
+
+    name = f"faults_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(f"{POSTGRES}/postgres", connect_timeout=2, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        yield f"{POSTGRES.replace('postgresql:', 'postgresql+psycopg:')}/{name}"
+    finally:
+        with psycopg.connect(f"{POSTGRES}/postgres", autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def dask_worker_killed(folder: Path, url: str, poll_s: float = 0.02) -> tuple[int, bool]:
+    """A fresh night in `folder` on a Dask LocalCluster of 2 worker processes (catalog at `url`), one worker
+    SIGKILLed the moment the ledger shows the rollouts' shards running; the night goes on (Dask gives the
+    shard to a worker), and is rerun if it failed. Returns workers killed and whether the night finished."""
+    (folder / "trajforge.yaml").write_text(
+        f"{CONFIG}warehouse:\n  catalog_url: {url}\nrunner:\n  engine: dask\n  workers: 2\n")
+    ledger = sa.create_engine(url)
+    proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = 0
+    try:
+        while not killed and proc.poll() is None:
+            shown = _phase(ledger)
+            if ("rollout", "shards") in shown:
+                killed = _kill_dask_worker(proc.pid)
+            elif _passed(("rollout", "shards"), shown):
+                break
+            time.sleep(poll_s)
+        finished = proc.wait(timeout=1800) == 0 or night(folder).returncode == 0
+        return killed, finished
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        ledger.dispose()
 
 
 @dataclass
@@ -282,6 +348,9 @@ def main() -> None:
                         help="Nights killed at a random time within the unbroken night's length, each rerun.")
     parser.add_argument("--browser", type=int, default=0,
                         help="Nights whose Chromium is killed while the rollouts run; each night goes on (no rerun).")
+    parser.add_argument("--dask", type=int, default=0,
+                        help="Nights on a Dask LocalCluster (PostgreSQL catalog) one of whose workers is killed "
+                        "while the rollouts run; each night goes on, and is rerun if it failed.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, help="Keep the nights' folders here.")
     args = parser.parse_args()
@@ -353,6 +422,21 @@ def main() -> None:
               + (f"; {got.rendered} screenshots painted differently" if got.rendered else ""))
     if args.browser:
         rows.append(("SIGKILL of Chromium during the rollouts (the night goes on)", *totals))
+    totals = [0, 0, 0, 0, 0]
+    for n in range(args.dask):
+        folder = root / f"dask-{n}"
+        folder.mkdir(exist_ok=True)
+        with postgres_database() as url:
+            workers, finished = dask_worker_killed(folder, url)
+            got = compare(reference, folder, WarehouseSettings(path=folder / "data" / "warehouse", catalog_url=url))
+        ok = workers > 0 and finished and not (got.lost or got.duplicated or got.false_failures)
+        for i, value in enumerate((int(workers > 0), ok, got.lost, got.duplicated, got.false_failures)):
+            totals[i] += value
+        print(f"dask {n}: " + ("a worker killed during the rollouts" if workers else "the rollouts ended first")
+              + ("" if finished else "; the night and its rerun failed")
+              + (f"; {got.rendered} screenshots painted differently" if got.rendered else ""))
+    if args.dask:
+        rows.append(("SIGKILL of a Dask worker during the rollouts", *totals))
     if killed:
         print(f"\nkill points ({len(killed)} distinct): "
               + ", ".join(f"{stage}:{phase}" for stage, phase in all_points() if (stage, phase) in killed))
