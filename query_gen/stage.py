@@ -240,4 +240,5 @@ STAGE = StageDef[Workspace, AppUnit](
     load=load_apps,
     run=run_query_gen,
     shard_size=lambda s: 1,
+    workers=lambda s: s.runner.workers,  # each app's crawl waits mostly on its own browser
 )

@@ -247,8 +247,10 @@ class RunnerSettings(_Section):
         "the warehouse folder at the same absolute path and the catalog database. None: a LocalCluster of "
         "`workers` processes lives as long as the run.",
     )
-    workers: int = Field(default=2, gt=0, description="engine dask without an address: the LocalCluster's "
-                         "worker processes (one thread each).")
+    workers: int = Field(
+        default=2, gt=0, description="Shards at once. threads: for the stages whose shards are independent "
+        "browsers (query generation, one app each); dask without an address: the LocalCluster's worker "
+        "processes (one thread each).")
 
 
 class ScheduleSettings(_Section):
