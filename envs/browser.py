@@ -31,7 +31,7 @@ import inspect
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -126,13 +126,7 @@ class Observation:
     def targets(self) -> list[Target]:
         """The named interactive elements whose centre is on the screen, in document order: what a click can
         hit and a policy can name."""
-        found = []
-        for node in self.nodes:
-            if node.role in INTERACTIVE_ROLES and node.name and node.box is not None:
-                x, y, w, h = node.box
-                if w > 0 and h > 0 and 0 <= x + w / 2 < self.width and 0 <= y + h / 2 < self.height:
-                    found.append(Target(node.role, node.name, int(x + w // 2), int(y + h // 2)))
-        return found
+        return screen_targets(self.nodes, self.width, self.height)
 
 
 class Target(NamedTuple):
@@ -142,6 +136,18 @@ class Target(NamedTuple):
     name: str
     x: int
     y: int
+
+
+def screen_targets(nodes: Iterable[AXNode], width: int, height: int) -> list[Target]:
+    """The named interactive elements of `nodes` whose centre is on a `width` x `height` screen and not covered
+    by another element, in document order: a live observation's, or a recorded step's parsed tree."""
+    found = []
+    for node in nodes:
+        if node.role in INTERACTIVE_ROLES and node.name and node.box is not None and "covered" not in node.states:
+            x, y, w, h = node.box
+            if w > 0 and h > 0 and 0 <= x + w / 2 < width and 0 <= y + h / 2 < height:
+                found.append(Target(node.role, node.name, int(x + w // 2), int(y + h // 2)))
+    return found
 
 
 def png_size(png: bytes) -> tuple[int, int]:

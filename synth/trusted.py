@@ -19,6 +19,7 @@ from typing import Any, Literal
 import polars as pl
 
 from trajforge.envs import actions, axtree
+from trajforge.envs.browser import screen_targets
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.gui_owl import call_schema, to_action
 from trajforge.schemas.ids import digest
@@ -58,14 +59,19 @@ MAX_POINTS = 64
 
 
 def prediction_schema(space: actions.Space, step: Step, points: str) -> dict[str, Any]:
-    """The call schema a synthesis stage's prediction of a step's action is held to: with `synth.points:
-    elements`, a point can only be the centre of an element of the step's accessibility tree (the model
-    chooses the element; it cannot miss it by arithmetic, which a 135M model cannot do); `free`: any pixel."""
+    """The call schema a synthesis stage's prediction of a step's action is held to. `synth.points: names`: a
+    click names one of the step's on-screen interactive elements and its point is that element's centre, as
+    the rollout's named clicks (a model that reads the tree as text chooses by what it reads); `elements`: a
+    point can only be the centre of an element of the step's accessibility tree (chosen by its numbers; it
+    cannot miss by arithmetic, which a 135M model cannot do); `free`: any pixel. A tree with no such element
+    falls back to the next looser form."""
     centres: list[list[int]] = []
     try:
-        nodes = axtree.parse(step.ax_tree_before or "") if points == "elements" else []
+        nodes = axtree.parse(step.ax_tree_before or "") if points != "free" else []
     except ValueError:  # a tree that does not parse offers no element: the point stays free
         nodes = []
+    if points == "names" and (targets := screen_targets(nodes, step.width, step.height)):
+        return call_schema(space, step.width, step.height, targets=targets)
     if nodes:
         for node in nodes:
             if node.box is not None and "covered" not in node.states:

@@ -71,3 +71,16 @@ def test_a_prediction_may_point_only_at_an_element_centre_unless_points_are_free
     # a tree that does not parse, or offers no box, leaves the point free rather than offering nothing
     assert "prefixItems" in _click_point(prediction_schema("mobile", _step('button "unterminated'), "elements"))
     assert "prefixItems" in _click_point(prediction_schema("mobile", _step("main"), "elements"))
+
+
+def test_a_named_prediction_chooses_among_the_clickable_elements_by_name():
+    tree = ('main\n  button "Save" (40,40,20,20)\n  link "Cart" [covered] (0,0,10,10)\n  text "Total" (140,140,21,20)'
+            '\n  button "Off screen" (500,900,10,10)\n  link "Help" (100,200,40,20)')
+    clicks = [b for b in prediction_schema("mobile", _step(tree), "names")["properties"]["arguments"]["anyOf"]
+              if b["properties"]["action"] == {"const": "click"}]
+    # one branch per named, interactive, uncovered element on the screen; its point is the element's centre
+    assert [(c["properties"]["target"], c["properties"]["coordinate"]) for c in clicks] == [
+        ({"const": "Save"}, {"const": [50, 50]}), ({"const": "Help"}, {"const": [120, 210]})]
+    # nothing to name (static text only): the click falls back to the element centres
+    assert _click_point(prediction_schema("mobile", _step('main\n  text "Total" (140,140,21,20)'), "names")) == {
+        "enum": [[150, 150]]}
