@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -36,11 +35,7 @@ from trajforge.schemas.config import Settings, WarehouseSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from env_bench import env_pool, episodes, serve_miniwob  # the env bench's loop, not a copy
-from fault_bench import cli_env, cli_path
-
-POSTGRES = "postgresql://postgres@127.0.0.1:5432"
-"""The server; each Dask night gets a database of its own, so its OCR cache starts as cold as the thread
-night's new SQLite warehouse (the cache is per catalog database, shared by its namespaces)."""
+from fault_bench import cli_env, cli_path, postgres_database
 
 CONFIG = """\
 query_gen:
@@ -111,22 +106,15 @@ def main() -> None:
 
     rows = [("threads", 1, night(root / "threads", config, WarehouseSettings(path=root / "threads/data/warehouse")))]
     for workers in [int(w) for w in args.dask.split(",") if w]:
-        database = f"factory_{uuid.uuid4().hex[:8]}"
-        try:
-            with psycopg.connect(f"{POSTGRES}/postgres", connect_timeout=2, autocommit=True) as conn:
-                conn.execute(f"CREATE DATABASE {database}")
-        except psycopg.Error as exc:
+        folder = root / f"dask-{workers}"
+        try:  # a database per night: its OCR cache (per catalog database) starts as cold as the thread night's
+            with postgres_database("factory") as url:
+                dask = f"{config}warehouse:\n  catalog_url: {url}\nrunner:\n  engine: dask\n  workers: {workers}\n"
+                rows.append(("dask", workers, night(folder, dask, WarehouseSettings(
+                    path=folder / "data/warehouse", catalog_url=url))))
+        except psycopg.OperationalError as exc:
             print(f"dask nights skipped: PostgreSQL not reachable ({exc})")
             break
-        url = f"{POSTGRES.replace('postgresql:', 'postgresql+psycopg:')}/{database}"
-        folder = root / f"dask-{workers}"
-        dask = f"{config}warehouse:\n  catalog_url: {url}\nrunner:\n  engine: dask\n  workers: {workers}\n"
-        try:
-            rows.append(("dask", workers, night(folder, dask, WarehouseSettings(
-                path=folder / "data/warehouse", catalog_url=url))))
-        finally:
-            with psycopg.connect(f"{POSTGRES}/postgres", autocommit=True) as conn:
-                conn.execute(f"DROP DATABASE {database} WITH (FORCE)")
 
     print("\n| engine | workers | night s | episodes | steps | episodes/s | steps/s | of the env pool (target 0.5) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -36,7 +36,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,7 +224,17 @@ def browser_killed(folder: Path, at: Point = ("rollout", "shards"), poll_s: floa
     with it. Returns how many processes were killed (0: the night passed `at` first) and whether the night
     finished without a rerun of ours."""
     (folder / "trajforge.yaml").write_text(CONFIG)
-    ledger = sa.create_engine(f"sqlite:///{folder / 'data' / 'warehouse' / 'catalog.db'}")
+    killed, returncode = _killed_during(folder, f"sqlite:///{folder / 'data' / 'warehouse' / 'catalog.db'}", at,
+                                        _kill_chromium, poll_s)
+    return killed, returncode == 0
+
+
+def _killed_during(folder: Path, ledger_url: str, at: Point, kill: Callable[[int], int],
+                   poll_s: float) -> tuple[int, int]:
+    """A fresh `trajforge run nightly` in `folder` (its config written), with `kill(pid of the night)` called
+    the moment its ledger (at `ledger_url`) shows `at`; the night then goes on to its end. Returns what `kill`
+    returned (0: the night passed `at` first, or there was nothing to kill yet) and the night's exit status."""
+    ledger = sa.create_engine(ledger_url)
     proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed = 0
@@ -232,26 +242,28 @@ def browser_killed(folder: Path, at: Point = ("rollout", "shards"), poll_s: floa
         while not killed and proc.poll() is None:
             shown = _phase(ledger)
             if at in shown:
-                killed = _kill_chromium(proc.pid)
+                killed = kill(proc.pid)
             elif _passed(at, shown):
                 break
             time.sleep(poll_s)
-        return killed, proc.wait(timeout=1800) == 0
+        return killed, proc.wait(timeout=1800)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+    finally:
+        ledger.dispose()
 
 
 POSTGRES = "postgresql://postgres@127.0.0.1:5432"
 
 
 @contextlib.contextmanager
-def postgres_database() -> Iterator[str]:
+def postgres_database(prefix: str = "faults") -> Iterator[str]:
     """A PostgreSQL database of its own for one night (its ledger, catalog and OCR cache), dropped after; yields
-    its SQLAlchemy URL."""
+    its SQLAlchemy URL. psycopg.OperationalError when the server cannot be reached."""
     import psycopg
 
-    name = f"faults_{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(f"{POSTGRES}/postgres", connect_timeout=2, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     try:
@@ -267,25 +279,8 @@ def dask_worker_killed(folder: Path, url: str, poll_s: float = 0.02) -> tuple[in
     shard to a worker), and is rerun if it failed. Returns workers killed and whether the night finished."""
     (folder / "trajforge.yaml").write_text(
         f"{CONFIG}warehouse:\n  catalog_url: {url}\nrunner:\n  engine: dask\n  workers: 2\n")
-    ledger = sa.create_engine(url)
-    proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    killed = 0
-    try:
-        while not killed and proc.poll() is None:
-            shown = _phase(ledger)
-            if ("rollout", "shards") in shown:
-                killed = _kill_dask_worker(proc.pid)
-            elif _passed(("rollout", "shards"), shown):
-                break
-            time.sleep(poll_s)
-        finished = proc.wait(timeout=1800) == 0 or night(folder).returncode == 0
-        return killed, finished
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    finally:
-        ledger.dispose()
+    killed, returncode = _killed_during(folder, url, ("rollout", "shards"), _kill_dask_worker, poll_s)
+    return killed, returncode == 0 or night(folder).returncode == 0
 
 
 @dataclass
