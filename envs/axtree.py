@@ -74,67 +74,70 @@ def cdp_value(field: dict[str, Any] | None) -> Any:
     return (field or {}).get("value")
 
 
-def layout_boxes(snapshot: dict[str, Any]) -> dict[int, Box]:
-    """Viewport boxes by backend DOM node id, from one `DOMSnapshot.captureSnapshot` of the main frame.
+class Layout:
+    """The main frame's layout from one `DOMSnapshot.captureSnapshot` (taken with `includePaintOrder`):
+    where each element is on the screenshot, and which one is painted on top at a point.
 
     The snapshot's layout bounds are document coordinates; subtracting the scroll offset
-    gives what the screenshot shows (what `locator.bounding_box()` reports).
+    gives what the screenshot shows (what `locator.bounding_box()` reports). Hit-testing
+    here is what `document.elementFromPoint` would tell, read from the snapshot that the
+    observation already took: no round trip per question (two CDP calls per step's target
+    cost about 5 ms, a tenth of a step). Clipping by a scrolled container is not seen, and
+    the page's own `pointer-events` are not consulted.
     """
-    doc = snapshot["documents"][0]
-    backend_ids = doc["nodes"]["backendNodeId"]
-    sx, sy = doc.get("scrollOffsetX", 0), doc.get("scrollOffsetY", 0)
-    boxes: dict[int, Box] = {}
-    for index, (x, y, w, h) in zip(doc["layout"]["nodeIndex"], doc["layout"]["bounds"], strict=True):
-        boxes.setdefault(backend_ids[index], (x - sx, y - sy, w, h))  # the first layout object is the element's
-    return boxes
 
+    def __init__(self, snapshot: dict[str, Any] | None = None) -> None:
+        doc = snapshot["documents"][0] if snapshot else {"nodes": {}, "layout": {}}
+        layout = doc["layout"]
+        self._backend_ids: list[int] = doc["nodes"].get("backendNodeId", [])
+        self._parent: list[int] = doc["nodes"].get("parentIndex", [])
+        self._scroll = (doc.get("scrollOffsetX", 0), doc.get("scrollOffsetY", 0))
+        self._node_index = np.asarray(layout.get("nodeIndex", []), dtype=int)
+        self._bounds = np.asarray(layout.get("bounds", []), dtype=float).reshape(-1, 4)
+        paint = layout.get("paintOrders")
+        self._order = np.asarray(paint) if paint else None
+        sx, sy = self._scroll
+        self.boxes: dict[int, Box] = {}
+        """Viewport boxes by backend DOM node id (the first layout object is the element's)."""
+        for index, (x, y, w, h) in zip(self._node_index.tolist(), self._bounds.tolist(), strict=True):
+            self.boxes.setdefault(self._backend_ids[index], (x - sx, y - sy, w, h))
 
-def covered_ids(snapshot: dict[str, Any], candidates: Iterable[int], viewport: tuple[int, int]) -> set[int]:
-    """Of the candidate backend node ids, those whose box centre, on the screenshot (`viewport`: its width and
-    height), is painted over by another element.
-
-    This is what `document.elementFromPoint` at the centre would tell, read from the same
-    `DOMSnapshot.captureSnapshot` (taken with `includePaintOrder`) that gives the boxes: the
-    layout object painted last among those containing the centre must be the element or
-    inside it. No extra round trip per element (a `DOM.getNodeForLocation` each would cost
-    about a millisecond apiece, a step's budget on a busy page). Clipping by a scrolled
-    container is not seen, and the page's own `pointer-events` are not consulted.
-    """
-    doc = snapshot["documents"][0]
-    layout = doc["layout"]
-    paint = layout.get("paintOrders")
-    if not paint:
-        return set()
-    sx, sy = doc.get("scrollOffsetX", 0), doc.get("scrollOffsetY", 0)
-    node_index = np.asarray(layout["nodeIndex"])
-    bounds = np.asarray(layout["bounds"], dtype=float).reshape(-1, 4)
-    order = np.asarray(paint)
-    parent = doc["nodes"]["parentIndex"]
-    index_of = {b: i for i, b in enumerate(doc["nodes"]["backendNodeId"])}
-    boxes = layout_boxes(snapshot)
-    vw, vh = viewport
-    covered = set()
-    for backend_id in candidates:
-        box = boxes.get(backend_id)
-        if box is None or backend_id not in index_of or box[2] <= 0 or box[3] <= 0:
-            continue
-        cx, cy = box[0] + box[2] / 2, box[1] + box[3] / 2
-        if not (0 <= cx < vw and 0 <= cy < vh):
-            continue  # off screen: nothing paints there on the screenshot
-        dx, dy = cx + sx, cy + sy
-        inside = ((bounds[:, 0] <= dx) & (dx < bounds[:, 0] + bounds[:, 2])
-                  & (bounds[:, 1] <= dy) & (dy < bounds[:, 1] + bounds[:, 3]))
-        if not inside.any():
-            continue
+    def top_at(self, x: float, y: float) -> list[int]:
+        """Backend node ids of the node painted last at a viewport point, then its ancestors up to the
+        document; empty where nothing is laid out there (or the snapshot had no paint order)."""
+        if self._order is None or not len(self._bounds):
+            return []
+        dx, dy = x + self._scroll[0], y + self._scroll[1]
+        b = self._bounds
+        inside = (b[:, 0] <= dx) & (dx < b[:, 0] + b[:, 2]) & (b[:, 1] <= dy) & (dy < b[:, 1] + b[:, 3])
         hits = np.flatnonzero(inside)
+        if not len(hits):
+            return []
         # Paint order ranks stacking layers (ties within one); within a layer, later in layout order paints later.
-        top = int(node_index[hits[np.lexsort((hits, order[hits]))[-1]]])
-        target = index_of[backend_id]
-        while top != -1 and top != target:
-            top = parent[top]
-        if top == -1:
-            covered.add(backend_id)
-    return covered
+        node = int(self._node_index[hits[np.lexsort((hits, self._order[hits]))[-1]]])
+        chain = []
+        while node != -1:
+            chain.append(self._backend_ids[node])
+            node = self._parent[node]
+        return chain
+
+    def covered(self, candidates: Iterable[int], viewport: tuple[int, int]) -> set[int]:
+        """Of the candidate backend node ids, those whose box centre, on the screenshot (`viewport`: its
+        width and height), is painted over by another element: the node on top there is neither the
+        candidate nor inside it."""
+        vw, vh = viewport
+        covered = set()
+        for backend_id in candidates:
+            box = self.boxes.get(backend_id)
+            if box is None or box[2] <= 0 or box[3] <= 0:
+                continue
+            cx, cy = box[0] + box[2] / 2, box[1] + box[3] / 2
+            if not (0 <= cx < vw and 0 <= cy < vh):
+                continue  # off screen: nothing paints there on the screenshot
+            chain = self.top_at(cx, cy)
+            if chain and backend_id not in chain:
+                covered.add(backend_id)
+        return covered
 
 
 def from_cdp(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None,
@@ -146,7 +149,7 @@ def from_cdp(nodes: list[dict[str, Any]], boxes: dict[int, Box] | None = None,
     are dropped, so the tree reads like what a person sees. The box, where the node has
     a layout, is where it is on the screenshot (off-screen boxes say how far to scroll).
     The focused element keeps Chromium's role and the unrounded box: it is a step's
-    target, recorded as such. A node in `covered` (see `covered_ids`) gets the state
+    target, recorded as such. A node in `covered` (see `Layout.covered`) gets the state
     "covered": it is on screen but another element is painted over its centre.
     """
     boxes = boxes or {}

@@ -51,7 +51,7 @@ from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
 from trajforge.envs import actions
 from trajforge.envs.apps import SESSION_COOKIE
-from trajforge.envs.axtree import AXNode, Box, Element, cdp_value, covered_ids, from_cdp, layout_boxes, render
+from trajforge.envs.axtree import AXNode, Box, Element, Layout, cdp_value, from_cdp, render
 
 T = TypeVar("T")
 
@@ -287,7 +287,7 @@ class BrowserEnv:
         """The main frame's last document response: (HTTP status, URL)."""
         self._broken = False  # a fault happened: the next reset opens a new context
         self._origins: set[str] = set()  # origins the context visited, cleared at reset
-        self._seen: tuple[list[dict[str, Any]], dict[int, Box]] = ([], {})  # the last observation's tree and boxes
+        self._seen: tuple[list[dict[str, Any]], Layout] = ([], Layout())  # the last observation's tree and layout
         self._origin: str | None = None
         self._home = "about:blank"
         self._closed = False
@@ -452,7 +452,7 @@ class BrowserEnv:
         await self._page.goto(url, wait_until="load")
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
-        self._seen = ([], {})
+        self._seen = ([], Layout())
 
     def observe(self) -> Observation:
         """Screenshot and accessibility tree (with element boxes) of the current page.
@@ -480,11 +480,11 @@ class BrowserEnv:
             raise EnvFault(f"the app answered HTTP {self._document[0]} for {self._document[1]}", "app_down")
         png = base64.b64decode(shot["data"])
         width, height = png_size(png)
-        boxes = layout_boxes(snapshot)
+        layout = Layout(snapshot)
         candidates = [n["backendDOMNodeId"] for n in tree["nodes"]
-                      if not n.get("ignored") and n.get("backendDOMNodeId") in boxes]
-        nodes, focused = from_cdp(tree["nodes"], boxes, covered_ids(snapshot, candidates, (width, height)))
-        self._seen = (tree["nodes"], boxes)
+                      if not n.get("ignored") and n.get("backendDOMNodeId") in layout.boxes]
+        nodes, focused = from_cdp(tree["nodes"], layout.boxes, layout.covered(candidates, (width, height)))
+        self._seen = (tree["nodes"], layout)
         title = strings[doc["title"]] if doc["title"] >= 0 else ""
         return Observation(png, width, height, self._page.url, title, tuple(nodes), focused)
 
@@ -634,34 +634,22 @@ class BrowserEnv:
         return state
 
     def element_at(self, x: float, y: float) -> Element | None:
-        """The control under a point, as the last observation saw it: the hit element or
-        its nearest interactive ancestor in that accessibility tree, with its box; None
-        where nothing resolves (or the page changed since)."""
-        return self._call(self._element_at(x, y), "finding the element at a point")
+        """The control under a point, as the last observation saw it: the element painted on top
+        there, or its nearest interactive ancestor in that accessibility tree, with its box; None
+        where nothing resolves.
 
-    async def _element_at(self, x: float, y: float) -> Element | None:
-        assert self._cdp is not None
-        try:
-            # elementFromPoint takes viewport coordinates; DOM.getNodeForLocation took
-            # document coordinates here, which misses on a scrolled page.
-            found = await self._cdp.send("Runtime.evaluate", {"expression": f"document.elementFromPoint({x}, {y})"})
-            if "objectId" not in found["result"]:
-                return None  # nothing there
-            hit = (await self._cdp.send("DOM.describeNode", {"objectId": found["result"]["objectId"]}))["node"]
-        except PlaywrightError:
-            if not self._browser_alive():
-                raise
-            return None  # best effort: the page is between two documents
-        # The last observation's tree and boxes, not fresh ones: two round trips fewer a
-        # step, and the target is the element as the agent saw it.
-        nodes, boxes = self._seen
+        Read from the last observation's tree and layout, not the live page: no round trip a
+        step, and the target is the element as the agent saw it (see `Layout`)."""
+        nodes, layout = self._seen
+        by_backend = {n["backendDOMNodeId"]: n for n in nodes if "backendDOMNodeId" in n}
+        # The hit node or, where it has no accessibility node of its own, its closest DOM ancestor that has one.
+        node = next((by_backend[b] for b in layout.top_at(x, y) if b in by_backend), None)
         by_ax_id = {n["nodeId"]: n for n in nodes}
-        node = next((n for n in nodes if n.get("backendDOMNodeId") == hit["backendNodeId"]), None)
         fallback: Element | None = None
         while node is not None:
             role = cdp_value(node.get("role")) or ""
             name = str(cdp_value(node.get("name")) or "").strip()
-            box = boxes.get(node.get("backendDOMNodeId", -1))
+            box = layout.boxes.get(node.get("backendDOMNodeId", -1))
             if not node.get("ignored"):
                 if role in INTERACTIVE_ROLES:
                     return Element(role, name, box)
