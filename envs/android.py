@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from trajforge.envs import actions
+from trajforge.envs import actions, secrets
 from trajforge.envs.axtree import AXNode, Element, PixelBox
 from trajforge.envs.browser import EnvFault, Observation, png_size
 from trajforge.schemas.config import AndroidSettings, AndroidTask
@@ -200,6 +200,9 @@ class AndroidEnv:
             ms = int(float(a.get("duration", 0.3)) * 1000)
             self._run("shell", "input", "swipe", *_ints(a["x"], a["y"], a["x2"], a["y2"]), str(ms))
         elif kind == "type":
+            if secrets.PLACEHOLDER.search(a["text"]):
+                # `input text` puts its argument on adb's command line, which the device's process list shows.
+                return "type: secrets are typed in browser envs only; adb would show the value on its command line"
             self._run("shell", "input", "text", _escape_text(a["text"]))
         elif kind in ("key", "system_button"):
             name = actions.key_name(a.get("key") or a.get("button"))

@@ -49,7 +49,7 @@ from playwright.async_api import (
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
-from trajforge.envs import actions
+from trajforge.envs import actions, secrets
 from trajforge.envs.apps import SESSION_COOKIE
 from trajforge.envs.axtree import AXNode, Box, Element, Layout, cdp_value, from_cdp, render
 
@@ -511,11 +511,14 @@ class BrowserEnv:
         """Execute one action; returns why it is invalid (nothing done), or None.
 
         Waits until a navigation the action started has loaded. Raises EnvFault when the
-        browser or the app fails.
+        browser or the app fails. A `type` action's `<secret>name</secret>` placeholders are
+        typed as their values (see `envs.secrets`); an unset one makes the action invalid.
         """
         error = actions.validate(action, self.width, self.height, self.space)
         if error:
             return error
+        if action["type"] == "type" and (unset := secrets.unset(action["text"])):
+            return f"type: {secrets.missing_error(unset)}"
         return self._call(self._act(actions.normalize(action, self.space)), str(action["type"]))
 
     async def _act(self, action: dict[str, Any]) -> str | None:
@@ -580,7 +583,7 @@ class BrowserEnv:
             if a.get("clear"):
                 await page.keyboard.press("ControlOrMeta+a")
                 await page.keyboard.press("Backspace")
-            await page.keyboard.type(a["text"])
+            await page.keyboard.type(secrets.reveal(a["text"]))  # the only place a secret's value is used
             if a.get("enter"):
                 await page.keyboard.press("Enter")
         elif kind == "key":

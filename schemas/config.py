@@ -32,6 +32,8 @@ from trajforge.schemas.ids import digest
 ENV_PREFIX = "TRAJFORGE_"
 # Variables with the prefix that are read elsewhere, not settings.
 _NOT_SETTINGS = {"TRAJFORGE_CONFIG", "TRAJFORGE_REQUIRE_SERVICES"}
+SECRET_PREFIX = "TRAJFORGE_SECRET_"
+"""Secrets typed into apps (`envs.secrets`): read only where they are typed, never settings."""
 
 
 class ConfigError(ValueError):
@@ -81,7 +83,9 @@ class AndroidTask(_Section):
 
 class QueryGenSettings(_Section):
     apps: list[str] = Field(
-        default=["shop", "mail", "calendar", "notes", "settings", "writer"], description="Bundled apps to make queries for."
+        default=["shop", "mail", "calendar", "notes", "settings", "writer"],
+        description="Bundled apps to make queries for (every one but `account`, whose tasks sign in with the "
+        "password in $TRAJFORGE_SECRET_ACCOUNT_PASSWORD).",
     )
     num_queries: int = Field(
         default=1, gt=0, description="Page-graph queries sampled per app (the default keeps a laptop run with the embedded model short)."
@@ -625,7 +629,8 @@ def load_settings(path: Path | None = None) -> Settings:
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(data).__name__}")
     for name in os.environ:
-        if name.upper().startswith(ENV_PREFIX) and name.upper() not in _NOT_SETTINGS and not _is_setting(name):
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in _NOT_SETTINGS \
+                and not name.upper().startswith(SECRET_PREFIX) and not _is_setting(name):
             close = difflib.get_close_matches(name.upper(), _known_variables(), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"environment variable {name}: unknown setting{hint} "

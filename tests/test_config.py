@@ -23,7 +23,8 @@ def test_defaults_without_file(tmp_path, monkeypatch):
     assert settings.warehouse.catalog_url is None
     from trajforge.envs.apps import known_apps
 
-    assert sorted(settings.query_gen.apps) == known_apps()  # every bundled app by default
+    # Every bundled app by default but Harbor ID, whose tasks need a password set (TRAJFORGE_SECRET_ACCOUNT_PASSWORD).
+    assert sorted(settings.query_gen.apps) == [a for a in known_apps() if a != "account"]
 
 
 def test_file_then_environment_override(tmp_path, monkeypatch):
@@ -63,6 +64,13 @@ def test_an_environment_value_is_blamed_on_its_variable_not_on_the_file(tmp_path
     monkeypatch.setenv("TRAJFORGE_ROLLOUT__CONTEXTS", "abc")
     with pytest.raises(ConfigError, match="environment variable TRAJFORGE_ROLLOUT__CONTEXTS: field 'rollout.contexts'"):
         load_settings(cfg)
+
+
+def test_a_secret_variable_is_no_setting_and_no_error(monkeypatch):
+    """TRAJFORGE_SECRET_* hold what apps are typed (envs.secrets): never read into the settings, never refused."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", "S3NT1NEL-typed")
+    settings = load_settings()
+    assert "S3NT1NEL-typed" not in settings.model_dump_json()
 
 
 def test_unknown_environment_variable_suggests_the_setting_it_resembles(monkeypatch):

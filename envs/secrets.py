@@ -1,0 +1,46 @@
+"""Secrets a task types (passwords, one-time codes), named by placeholder everywhere but at the keyboard.
+
+A query, a spec's slot value, a reference path or a policy's `type` action holds
+`<secret>account_password</secret>` (browser-use's `sensitive_data` form); the value comes
+from the environment variable `TRAJFORGE_SECRET_ACCOUNT_PASSWORD` of the process that types,
+and only the env's keyboard (and the interface validator's `fill`) ever sees it. So a
+secret is never in a setting, a prompt, a step row, a log line or a lineage property: the
+data keeps the placeholder, and a password field shows bullets on the screen and in the
+accessibility tree. Every worker that types needs the variable, as it needs the browser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from trajforge.schemas.config import SECRET_PREFIX as VARIABLE_PREFIX
+
+PLACEHOLDER = re.compile(r"<secret>([A-Za-z][A-Za-z0-9_]*)</secret>")
+
+
+def variable(name: str) -> str:
+    """The environment variable that holds the secret `name`."""
+    return VARIABLE_PREFIX + name.upper()
+
+
+def unset(text: str) -> list[str]:
+    """The secrets `text` names whose variable is not set, in order (empty when every one can be typed)."""
+    return [name for name in dict.fromkeys(PLACEHOLDER.findall(text)) if variable(name) not in os.environ]
+
+
+def missing_error(names: list[str]) -> str:
+    """Why text naming unset secrets is not typed: the variables to set, never a value."""
+    return "secret " + ", ".join(f"{n!r} is not set ({variable(n)})" for n in names)
+
+
+def reveal(text: str) -> str:
+    """`text` with every placeholder replaced by its secret, for the keyboard only; raises KeyError
+    naming the variable of an unset one (check `unset` first for an error to record)."""
+    def value(match: re.Match[str]) -> str:
+        name = variable(match.group(1))
+        if name not in os.environ:
+            raise KeyError(f"{name} is not set")
+        return os.environ[name]
+
+    return PLACEHOLDER.sub(value, text)
