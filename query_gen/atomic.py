@@ -190,6 +190,10 @@ class _Page:
     def _unique(self, role: str, name: str) -> bool:
         return len(find_boxes(self.env, role, name)) == 1
 
+    def _password(self, role: str, name: str) -> bool:
+        field = self.env.page.get_by_role(role, name=name, exact=True)
+        return bool(field.evaluate("e => e.type === 'password'"))
+
     def _pick(self, op: OpKind, options: list[tuple[Operation, Box]]) -> list[_Candidate]:
         """Up to PER_PAGE of `options`, in seeded order, whose elements the replay finds again."""
         self.rng.shuffle(options)
@@ -202,6 +206,11 @@ class _Page:
                 ok = passage_boxes(self.env, operation.role, operation.name, operation.text or "") is not None
             if ok and operation.op == "drag":
                 ok = self._unique(operation.to_role or "", operation.to_name or "")
+            if ok and operation.op == "type_at" and self._password(operation.role, operation.name):
+                # Its value is recorded as bullets only (a password never reaches the app's state), so a
+                # check of what was typed there could not pass; and typing made-up text into it teaches nothing.
+                self.rejected[f"{op}: a password field"] += 1
+                continue
             if ok:
                 kept.append(_Candidate(self.route, operation, _scrolls(box, self.height)))
             else:

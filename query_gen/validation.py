@@ -13,7 +13,8 @@ A page is reached the cheapest way that shows what the path would show:
 - a page entered by a form (a button, Enter in a search box) shows what was submitted,
   which a fresh session opening its url does not have (the cart is empty, the search has
   no results); so is a page whose fixed url does not load in a fresh session (it needs
-  parameters the spec does not hold, `/message?id=...`). Both are reached by driving:
+  parameters the spec does not hold, `/message?id=...`) or sends it elsewhere (a page
+  behind a sign-in form redirects to it). Both are reached by driving:
   the crawl reaches the previous page and does the transition's UI actions there.
 
 An atomic-operation or deep-search query's first operation (query_gen.operations) is
@@ -26,16 +27,17 @@ through it, and all the elements any of them needs are looked up on that one vis
 from __future__ import annotations
 
 import json
-import secrets
 import string
 import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
-from urllib.parse import quote
+from secrets import token_hex
+from urllib.parse import quote, urlsplit
 
 from playwright.sync_api import Error as PlaywrightError
 
+from trajforge.envs import secrets
 from trajforge.envs.browser import BrowserEnv, EnvFault
 from trajforge.envs.locate import find_boxes
 from trajforge.envs.operations import parse_operations
@@ -180,7 +182,11 @@ class InterfaceValidator:
     def _fetch_status(self, url: str) -> str | None:
         try:
             with urllib.request.urlopen(self.base_url + url, timeout=self.timeout_s) as response:
-                return None if response.status < 400 else f"HTTP {response.status}"
+                if response.status >= 400:
+                    return f"HTTP {response.status}"
+                # A page that sends a fresh session elsewhere (to a sign-in form) is not what its url shows.
+                landed = urlsplit(response.geturl()).path
+                return None if landed == urlsplit(self.base_url + url).path else f"redirected to {landed}"
         except urllib.error.HTTPError as exc:
             return f"HTTP {exc.code}"
         except urllib.error.URLError as exc:
@@ -189,7 +195,7 @@ class InterfaceValidator:
     def _visit(self, route: Route, targets: set[Target]) -> PageVisit:
         url, actions = route
         try:
-            self.env.reset(secrets.token_hex(8), self.base_url + url)
+            self.env.reset(token_hex(8), self.base_url + url)
             for op, role, name, text in actions:
                 problem = self._do(op, role, name, text)
                 if problem is not None:
@@ -216,7 +222,9 @@ class InterfaceValidator:
                 return f"{role} {name!r} not found"
             timeout = self.timeout_s * 1000
             if op == "type":
-                element.fill(text, timeout=timeout)
+                if unset := secrets.unset(text or ""):
+                    return secrets.missing_error(unset)
+                element.fill(secrets.reveal(text or ""), timeout=timeout)
                 return None
             if op != "click":  # check, uncheck, set_checked
                 element.set_checked(op == "check" or text == "on", timeout=timeout)

@@ -162,6 +162,10 @@ def test_check_ops_accept_a_fixed_state_or_an_on_off_slot(tmp_path: Path) -> Non
 
 # --- server sessions (every app) ----------------------------------------------------
 
+ACCOUNT_PASSWORD = "harbor-Tide-8312"
+"""Harbor ID's demo password (the README gives it; the app holds only its SHA-256)."""
+SIGN_IN = {"username": "alice", "password": ACCOUNT_PASSWORD}
+
 MUTATIONS: dict[str, tuple[str, dict[str, str]]] = {
     "shop": ("/cart/add", {"dish": "Pad Thai", "size": "Large", "quantity": "2"}),
     "mail": ("/message/star", {"id": "1", "starred": "yes"}),
@@ -169,6 +173,7 @@ MUTATIONS: dict[str, tuple[str, dict[str, str]]] = {
     "notes": ("/note/pin", {"id": "1", "pinned": "yes"}),
     "settings": ("/wifi", {}),
     "writer": ("/documents/new", {"title": "Reading list"}),
+    "account": ("/", SIGN_IN),
 }
 """One accepted form post per app that changes its state (a new app must add one)."""
 
@@ -210,6 +215,20 @@ def test_reset_restores_initial_state_exactly(servers: dict[str, AppServer], nam
 
 
 # --- server-side validation -----------------------------------------------------------
+
+
+def test_sign_in_refuses_a_wrong_password_and_keeps_none(servers: dict[str, AppServer]) -> None:
+    """A placeholder typed as itself is a wrong password; what was typed is in no state and no answer."""
+    server = servers["account"]
+    for typed in ("<secret>account_password</secret>", ACCOUNT_PASSWORD.upper()):
+        status, body, _ = http(server, "POST", "/", "frank", {"username": "alice", "password": typed})
+        assert status == 400 and "Wrong username or password." in body and typed not in body
+    status, _, headers = http(server, "GET", "/account/security", "frank")
+    assert status == 303 and headers["Location"] == "/", "a signed-out visitor is sent to Sign in"
+    post(server, "frank", "/", SIGN_IN)
+    seen = state(server, "frank")
+    assert seen["signed_in"] == "alice" and seen["failed_sign_ins"] == 2
+    assert ACCOUNT_PASSWORD not in json.dumps(seen)
 
 
 def test_checkout_rejects_empty_address(server: AppServer) -> None:
@@ -441,6 +460,13 @@ CHECKER_CASES: list[tuple[str, str, dict[str, str], Posts, Posts, str]] = [
     ("writer", "document_shared", {"email": "maya.chen@example.com"},
      [("/share", {"email": "Maya.Chen@example.com"})], [("/share", {"email": "leo.martins@example.com"})],
      "not shared with maya.chen@example.com"),
+    ("account", "signed_in", {"user": "alice"}, [("/", SIGN_IN)], [("/", SIGN_IN), ("/account/sign-out", {})],
+     "signed out, after 0 failed sign-ins"),
+    ("account", "two_step_is", {"value": "on"}, [("/", SIGN_IN), ("/account/security", {"two_step": "on"})],
+     [("/", SIGN_IN), ("/account/security", {})], "two-step verification is off"),
+    ("account", "display_name_is", {"name": "Alice Moreau"},
+     [("/", SIGN_IN), ("/account/profile", {"display_name": "alice  moreau"})],
+     [("/", SIGN_IN), ("/account/profile", {"display_name": "Ali Martin"})], "the display name is 'Ali Martin'"),
     ("writer", "surface_opened", {"surface": "Page setup"},
      [("/surfaces", {"surface": "Page setup"})], [("/surfaces", {"surface": "Word count"})],
      "'Page setup' was not opened; opened: ['Word count']"),
@@ -495,6 +521,8 @@ PAGES: dict[str, list[str]] = {
     "settings": ["/", "/wifi", "/wifi?saved=1", "/display", "/display/brightness", "/display/dark-theme",
                  "/accessibility", "/sound", "/languages"],
     "writer": ["/", "/documents/new"],
+    "account": ["/", "/account", "/account/profile", "/account/profile?saved=1", "/account/security",
+                "/account/security?saved=1"],
 }
 """Pages of each app to render: every page of its spec, with real ids (a new app must add its own)."""
 
@@ -517,6 +545,8 @@ def test_pages_render_in_both_viewports(env: BrowserEnv, servers: dict[str, AppS
     server = servers[name]
     env.reset(f"render-{name}", server.base_url + "/")
     for path in PAGES[name]:
+        if name == "account" and path == "/account":  # Harbor ID's own pages need a signed-in session
+            assert env.page.request.post(server.base_url + "/", form=SIGN_IN).ok
         response = env.page.goto(server.base_url + path)
         assert response.status == 200, f"{path} answered {response.status}"
         obs = env.observe()

@@ -21,7 +21,7 @@ import networkx as nx
 import pytest
 
 from trajforge.data.blobs import BlobRef, BlobStore
-from trajforge.envs.apps import AppServer, BundledApp
+from trajforge.envs.apps import AppServer, BundledApp, load_app
 from trajforge.envs.browser import BrowserEnv, EnvFault
 from trajforge.envs.pool import EnvPool
 from trajforge.envs.spec import AppSpec
@@ -295,3 +295,33 @@ def test_a_server_that_never_answers_is_a_timeout(chromium: Path, server: AppSer
         assert fault.value.kind == "timeout"
         env.reset("after", server.base_url + "/")  # the env recovers at its next reset
         assert env.observe().title.startswith("Home")
+
+
+@pytest.mark.browser
+def test_a_secret_is_typed_as_its_value_and_recorded_as_its_placeholder(
+        pool: EnvPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The env types `<secret>account_password</secret>` as $TRAJFORGE_SECRET_ACCOUNT_PASSWORD, so Harbor ID signs
+    alice in; the password field shows bullets; an unset secret is an invalid action that types nothing."""
+    from test_apps import ACCOUNT_PASSWORD
+
+    env = pool.envs[0]
+    placeholder = "<secret>account_password</secret>"
+    monkeypatch.delenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", raising=False)
+    with AppServer(load_app("account")) as account:
+        env.reset("secret", account.base_url + "/")
+        for name, text in (("Username", "alice"), ("Password", placeholder)):
+            [(x, y, w, h)] = env.find_element("textbox", name)
+            assert env.act({"type": "click", "x": x + w / 2, "y": y + h / 2}) is None
+            if name == "Password":
+                assert env.act({"type": "type", "text": text}) == (
+                    "type: secret 'account_password' is not set (TRAJFORGE_SECRET_ACCOUNT_PASSWORD)")
+                assert env.page.get_by_label("Password").input_value() == ""
+                monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", ACCOUNT_PASSWORD)
+            assert env.act({"type": "type", "text": text}) is None
+        tree = env.observe().ax_tree
+        assert f'textbox "Password" [focused]: {"•" * len(ACCOUNT_PASSWORD)}' in tree and ACCOUNT_PASSWORD not in tree
+        [(x, y, w, h)] = env.find_element("button", "Sign in")
+        assert env.act({"type": "click", "x": x + w / 2, "y": y + h / 2}) is None
+        state = env.app_state()
+    assert state["signed_in"] == "alice" and state["failed_sign_ins"] == 0
+    assert ACCOUNT_PASSWORD not in json.dumps(state), "the interaction recorder keeps a password field as bullets"

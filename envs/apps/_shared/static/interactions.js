@@ -137,12 +137,15 @@
   addEventListener("drop", (e) => dropped(e.clientX, e.clientY), true);
   addEventListener("dragend", (e) => dropped(over ? over.x : e.clientX, over ? over.y : e.clientY), true);
 
-  // Typing: the field and its whole value after each edit (the server keeps the last one).
+  // Typing: the field and its whole value after each edit (the server keeps the last one). A
+  // password field's value is reported as bullets, as the screen and Chromium's tree show it:
+  // the app's state goes into every episode row (final_state_json), a password must not.
   addEventListener("input", (e) => {
     const el = e.target;
     const role = roleOf(el);
     if (role === "textbox" || role === "searchbox" || role === "spinbutton") {
-      report([{ op: "type_at", role, name: nameOf(el, role), text: el.value }]);
+      const text = el.type === "password" ? "\u2022".repeat(el.value.length) : el.value;
+      report([{ op: "type_at", role, name: nameOf(el, role), text }]);
     }
   }, true);
 
