@@ -19,7 +19,7 @@ the openai line is the fair comparison for the gateway.
 
     python benchmarks/gateway_bench.py [--requests 2000] [--in-flight 64] [--rounds 3]
 
-Target: gateway / bare throughput >= 0.9.
+Target (the project brief): gateway / openai client throughput >= 0.9 with 64 or more in flight.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def main() -> None:
         print(f"{name:<9} {score.rate:>8.0f} {score.cpu_us:>12.0f} {score.latency_us:>21.0f}")
     bare, sdk, gw = best["bare"], best["openai"], best["gateway"]
     print(f"gateway CPU per call over the openai client it wraps: {gw.cpu_us - sdk.cpu_us:.0f} µs")
-    print(f"throughput ratio gateway/bare httpx: {gw.rate / bare.rate:.2f} (target >= 0.9)")
-    print(f"throughput ratio gateway/openai client: {gw.rate / sdk.rate:.2f}")
+    print(f"throughput ratio gateway/bare httpx: {gw.rate / bare.rate:.2f}")
+    print(f"throughput ratio gateway/openai client: {gw.rate / sdk.rate:.2f} (target >= 0.9)")
 
 
 if __name__ == "__main__":
