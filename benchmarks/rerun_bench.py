@@ -30,6 +30,9 @@ import sqlalchemy as sa
 
 from trajforge.llm.cache import responses
 
+sys.path.insert(0, str(Path(__file__).parent))
+from factory_bench import stage_seconds  # the same reading of Prefect's log lines
+
 CONFIG = """\
 query_gen:
   apps: [{apps}]
@@ -53,8 +56,8 @@ def model_answers(cwd: Path) -> int:
         engine.dispose()
 
 
-def nightly(cwd: Path) -> tuple[float, int]:
-    """One `trajforge run nightly`: its wall time and the model answers it added."""
+def nightly(cwd: Path) -> tuple[float, int, dict[str, float]]:
+    """One `trajforge run nightly`: its wall time, the model answers it added and its seconds per stage."""
     exe = str(Path(sys.executable).parent / "trajforge")
     before = model_answers(cwd) if (cwd / "data" / "warehouse" / "catalog.db").exists() else 0
     start = time.perf_counter()
@@ -62,7 +65,7 @@ def nightly(cwd: Path) -> tuple[float, int]:
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"trajforge run nightly failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return wall, model_answers(cwd) - before
+    return wall, model_answers(cwd) - before, stage_seconds(proc.stdout + proc.stderr)
 
 
 def main() -> None:
@@ -84,8 +87,11 @@ def main() -> None:
 
     print(f"apps {args.apps}: one page-graph and one atomic query each, embedded model, no guidance")
     print(f"{'run':<22} {'wall s':>8} {'model calls':>12}")
-    for name, (wall, calls) in (("cold nightly", cold), ("rerun, nothing new", rerun)):
+    for name, (wall, calls, _) in (("cold nightly", cold), ("rerun, nothing new", rerun)):
         print(f"{name:<22} {wall:>8.1f} {calls:>12}")
+    print(f"\n{'stage':<16} {'cold s':>8} {'rerun s':>8}")
+    for stage in cold[2]:
+        print(f"{stage:<16} {cold[2][stage]:>8.1f} {rerun[2].get(stage, 0.0):>8.1f}")
     ratio = rerun[0] / cold[0]
     met = ratio < 0.10 and rerun[1] == 0
     print(f"rerun / cold wall time: {ratio:.2f}   (target: < 0.10 and no model call -> {'met' if met else 'NOT met'})")
