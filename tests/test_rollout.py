@@ -18,6 +18,7 @@ import networkx as nx
 import pytest
 from conftest import ScriptedPolicy
 from PIL import Image
+from test_apps import ACCOUNT_PASSWORD
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs import actions
@@ -107,10 +108,11 @@ def replay(env: BrowserEnv, server: AppServer, query: Query, blobs: BlobStore) -
 @pytest.mark.browser
 @pytest.mark.parametrize(("app_name", "goal"), goal_cases())
 def test_replay_reaches_every_goal(servers: dict[str, AppServer], env: BrowserEnv, blobs: BlobStore,
-                                   app_name: str, goal: str) -> None:
+                                   app_name: str, goal: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One reference path per goal and viewport: the first route with the first slot values on
     mobile, the last route with the second values on desktop, so a goal with two routes has
     both replayed. The checker passes on the final state and fails with any one slot changed."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", ACCOUNT_PASSWORD)  # Harbor ID's tasks sign in first
     server = servers[app_name]
     app = server.app
     mobile = env.viewport == "mobile"
