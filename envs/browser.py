@@ -518,7 +518,7 @@ class BrowserEnv:
         if error:
             return error
         if action["type"] == "type" and (unset := secrets.unset(action["text"])):
-            return f"type: {secrets.missing_error(unset)}"
+            return f"type: {unset}"
         return self._call(self._act(actions.normalize(action, self.space)), str(action["type"]))
 
     async def _act(self, action: dict[str, Any]) -> str | None:

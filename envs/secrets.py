@@ -24,14 +24,11 @@ def variable(name: str) -> str:
     return VARIABLE_PREFIX + name.upper()
 
 
-def unset(text: str) -> list[str]:
-    """The secrets `text` names whose variable is not set, in order (empty when every one can be typed)."""
-    return [name for name in dict.fromkeys(PLACEHOLDER.findall(text)) if variable(name) not in os.environ]
-
-
-def missing_error(names: list[str]) -> str:
-    """Why text naming unset secrets is not typed: the variables to set, never a value."""
-    return "secret " + ", ".join(f"{n!r} is not set ({variable(n)})" for n in names)
+def unset(text: str) -> str | None:
+    """Why `text` cannot be typed: the secrets it names whose variable is not set, with the variables to set
+    (never a value); None when every one can be typed."""
+    names = [name for name in dict.fromkeys(PLACEHOLDER.findall(text)) if variable(name) not in os.environ]
+    return "secret " + ", ".join(f"{n!r} is not set ({variable(n)})" for n in names) if names else None
 
 
 def reveal(text: str) -> str:

@@ -223,7 +223,7 @@ class InterfaceValidator:
             timeout = self.timeout_s * 1000
             if op == "type":
                 if unset := secrets.unset(text or ""):
-                    return secrets.missing_error(unset)
+                    return unset
                 element.fill(secrets.reveal(text or ""), timeout=timeout)
                 return None
             if op != "click":  # check, uncheck, set_checked
