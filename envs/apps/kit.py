@@ -86,6 +86,18 @@ def field(name: str, label: str, value: str = "", *, multiline: bool = False, hi
     return f'<p class="field"><label for="{esc(name)}">{esc(label)}</label>{note}{control}</p>'
 
 
+def save_form(title: str, action: str, controls: str, *, saved: bool, error: str | None = None,
+              intro: str = "", after: str = "") -> str:
+    """A page body that is one form of controls and a Save button, which comes back with the notice
+    "Saved" (`saved`) or the error (role=alert); `intro` goes under the heading, `after` under the form."""
+    return f"""{notice("Saved" if saved else None)}{alert(error)}
+<h1>{esc(title)}</h1>{intro}
+<form method="post" action="{action}" class="settings">
+{controls}
+<button type="submit">Save</button>
+</form>{after}"""
+
+
 def radios(name: str, legend: str, options: Iterable[str], chosen: str | None) -> str:
     """A fieldset of radio buttons; each option's text is its accessible name."""
     items = "".join(

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trajforge.envs.apps.base import BundledApp
-from trajforge.envs.apps.kit import alert, checkbox, document, esc, field, missing, norm, notice
+from trajforge.envs.apps.kit import alert, checkbox, document, esc, field, missing, norm, save_form
 from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 USERS = {"alice": "760f33816084301a841bbe42901bfbcd1f4052a624f5c53b42acb32e77851779"}
@@ -111,12 +111,7 @@ autocomplete="off"></p>
 
     def _form(self, title: str, action: str, controls: str, saved: bool, error: str | None = None,
               after: str = "") -> Response:
-        body = f"""{notice("Saved" if saved else None)}{alert(error)}
-<h1>{esc(title)}</h1>
-<form method="post" action="{action}" class="settings">
-{controls}
-<button type="submit">Save</button>
-</form>{after}"""
+        body = save_form(title, action, controls, saved=saved, error=error, after=after)
         return self._page(title, body, 400 if error else 200)
 
     def _profile(self, state: dict[str, Any], saved: bool, error: str | None = None) -> Response:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trajforge.envs.apps.base import BundledApp
-from trajforge.envs.apps.kit import alert, checkbox, document, esc, missing, norm, notice, radios
+from trajforge.envs.apps.kit import checkbox, document, esc, missing, norm, radios, save_form
 from trajforge.envs.apps.web import Request, Response, not_found, redirect
 
 BRIGHTNESS = ("Low", "Medium", "High", "Maximum")
@@ -113,12 +113,7 @@ class SettingsApp(BundledApp):
 
     def _form(self, state: dict[str, Any], title: str, action: str, controls: str, saved: bool,
               error: str | None = None, intro: str = "") -> Response:
-        body = f"""{notice("Saved" if saved else None)}{alert(error)}
-<h1>{esc(title)}</h1>{intro}
-<form method="post" action="{action}" class="settings">
-{controls}
-<button type="submit">Save</button>
-</form>"""
+        body = save_form(title, action, controls, saved=saved, error=error, intro=intro)
         return self._page(state, title, body, 400 if error else 200)
 
     def _home(self, state: dict[str, Any]) -> Response:
