@@ -6,7 +6,6 @@ export. The scan is shown to see content (the user name it finds) and the passwo
 
 from __future__ import annotations
 
-import os
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ import polars as pl
 import pytest
 import sqlalchemy as sa
 from conftest import require
-from fault_bench import cli_env
+from fault_bench import cli_env, cli_path
 from test_apps import ACCOUNT_PASSWORD
 from test_llm_models import SMOLLM2_ID, served
 
@@ -62,7 +61,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def trajforge(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = cli_env(cwd) | {"TRAJFORGE_SECRET_ACCOUNT_PASSWORD": ACCOUNT_PASSWORD}
-    proc = subprocess.run([str(Path(os.sys.executable).parent / "trajforge"), *args], cwd=cwd, env=env,
+    proc = subprocess.run([cli_path(), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, f"trajforge {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
