@@ -189,6 +189,11 @@ class Ledger:
                                 .order_by(runs.c.started_at.desc()).limit(3)).all()
         return ", ".join(r.run_id for r in rows) or "none recorded"
 
+    def unfinished_runs(self) -> set[str]:
+        """Every run the ledger has not seen finish: the one writing now, and crashed ones not yet resumed."""
+        with self.engine.connect() as conn:
+            return set(conn.execute(sa.select(runs.c.run_id).where(runs.c.status == "running")).scalars())
+
     def get_run(self, run_id: str) -> Run:
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).first()

@@ -18,7 +18,6 @@ rollout stage's episodes), since the checker already has.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 
@@ -28,27 +27,10 @@ from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.kinds import check_episode, kind_for
 from trajforge.guidance.history import buffer_entry
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.stage import rollout
+from trajforge.rollout.stage import query_version, rollout, spec_hash
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Episode, Query, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
-
-TASK_FIELDS = ("query_id", "app", "instruction", "path", "slots_json", "checker", "checker_params_json", "actions_json",
-               "max_steps")
-"""The query fields that decide its reference path and its check (not its id, counts or timestamps)."""
-
-
-def spec_hash(app: str) -> str:
-    """A hash of the app's page graph; '' for an app without one."""
-    spec = kind_for(app).spec
-    return digest(spec.model_dump_json()) if spec is not None else ""
-
-
-def query_version(query: Query, spec: str, viewport: str) -> str:
-    """Everything that decides the query's reference episode in one viewport, hashed."""
-    fields = {f: getattr(query, f) for f in TASK_FIELDS}
-    return digest(json.dumps(fields, sort_keys=True) + spec + viewport)
-
 
 @dataclass(frozen=True)
 class ReferenceUnit:

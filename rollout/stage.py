@@ -9,11 +9,20 @@ never turns into a failed task.
 
 Episode ids are a hash of (run_id, query_id, attempt), so a rerun of a shard writes the
 same ids and the catalog can tell a redone shard from new work.
+
+A query is not rolled again by a later night when the warehouse already holds its attempts
+with the same attempt key (`attempt_key`): the same query version, the settings that decide
+what the policy does, the model it asks, the guidance in its prompt, its sampled attempts'
+seeds and the code. Such a night would repeat those episodes step for step (the bundled
+apps, MiniWoB++ seeds and the reference path are deterministic, and the response cache
+answers the model), writing every training row a second time. `rollout.reroll_identical`
+rolls them again, for an app whose state changes between nights.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -27,17 +36,71 @@ from trajforge.envs.kinds import AppKind, kind_for
 from trajforge.envs.pool import EnvPool
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
-from trajforge.llm.workspace import Workspace
+from trajforge.llm.workspace import Workspace, code_version
 from trajforge.rollout.episode import BlobSink, run_episode
 from trajforge.rollout.gui_owl import GuiOwlPolicy
 from trajforge.rollout.mobile_agent import MobileAgentPolicy
 from trajforge.rollout.policy import Draw, Policy
 from trajforge.rollout.random_policy import RandomPolicy
 from trajforge.rollout.replay import ReplayPolicy
-from trajforge.schemas.config import RolloutSettings
+from trajforge.schemas.config import RolloutSettings, Settings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Episode, Query, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+
+TASK_FIELDS = ("query_id", "app", "instruction", "path", "slots_json", "checker", "checker_params_json", "actions_json",
+               "max_steps")
+"""The query fields that decide its reference path and its check (not its counts or timestamps)."""
+
+ATTEMPT_SETTINGS = ("policy", "random_seed", "model", "history_images", "click_targets", "samples_per_query",
+                    "temperature", "top_p", "max_invalid_actions", "max_repeated_actions", "viewport", "android")
+"""The rollout settings that decide what an attempt does; the others (contexts, shards, timeouts, the browser,
+fault reruns, reference viewports) decide only how the night runs."""
+
+
+NOT_ROLLED_AGAIN = "not rolled again: the warehouse holds this query's attempts with the same attempt key"
+"""The rollout lineage's count of the queries a night left out as identical to earlier attempts (the report's)."""
+
+
+def spec_hash(app: str) -> str:
+    """A hash of the app's page graph; '' for an app without one."""
+    spec = kind_for(app).spec
+    return digest(spec.model_dump_json()) if spec is not None else ""
+
+
+def query_version(query: Query, spec: str, viewport: str) -> str:
+    """Everything that decides the query's reference episode in one viewport, hashed."""
+    fields = {f: getattr(query, f) for f in TASK_FIELDS}
+    return digest(json.dumps(fields, sort_keys=True) + spec + viewport)
+
+
+def model_identity(settings: Settings, rollout: RolloutSettings) -> dict[str, Any]:
+    """What answers the policy: the model behind its name, and the gateway settings that change answers (not
+    concurrency, timeouts or keys). Empty for the replay and random policies, which ask none."""
+    if rollout.policy in ("replay", "random"):
+        return {}
+    name = rollout.model or settings.llm.default
+    llm = settings.llm
+    model = (llm.local.model if name == "local"
+             else llm.endpoints[name].model_dump(mode="json", include={"base_url", "model", "vision",
+                                                                       "structured_output"}))
+    return {"name": name, "model": model, "reask": llm.reask, "constrain": llm.constrain}
+
+
+def attempt_key(query: Query, spec: str, settings: Settings, rollout: RolloutSettings, guidance: str | None,
+                seed_base: str) -> str:
+    """What decides a query's attempts in a night, hashed (see the module docstring): its version in the
+    policy's viewport, `ATTEMPT_SETTINGS`, the model, the guidance text, the seed base where attempts are
+    sampled (greedy and seeded policies draw nothing from it) and the code version."""
+    about = {
+        "query": query_version(query, spec, rollout.viewport),
+        "settings": rollout.model_dump(mode="json", include=set(ATTEMPT_SETTINGS)),
+        "model": model_identity(settings, rollout),
+        "guidance": guidance,
+        "seed_base": seed_base if rollout.temperature > 0 and rollout.policy not in ("replay", "random") else "",
+        "code": code_version(),
+    }
+    return digest(json.dumps(about, sort_keys=True))
 
 
 def episode_id_for(run_id: str, query_id: str, attempt: int = 1, sample: int = 0) -> str:
@@ -199,10 +262,36 @@ class RolloutUnit:
     guidance: GuidanceRef | None = None
     seed_base: str = ""
     """The queries version it came from: its sampled attempts' seeds are drawn from it."""
+    attempt_key: str | None = None
+    """`attempt_key` of its attempts this night, stamped on their episodes."""
+
+
+def night_settings(settings: Settings) -> RolloutSettings:
+    """The rollout settings of this night: `rollout`, its model replaced by the configured loop iteration's."""
+    iteration_model = settings.loop.models.get(settings.loop.iteration)
+    if iteration_model is None:
+        return settings.rollout
+    return settings.rollout.model_copy(update={"model": iteration_model})
+
+
+def attempts_held(ws: Workspace) -> set[tuple[str, int]]:
+    """(attempt key, sample) of every policy episode of a finished run that did not end in an env fault.
+
+    Not an unfinished run's: the run resuming now may have committed its episodes just before it was killed,
+    and its plan must list the shards it had (a crashed run not resumed rolls its queries again)."""
+    episodes = ws.catalog.scan("episodes")
+    if "attempt_key" not in episodes.collect_schema().names():  # a warehouse written before attempt keys
+        return set()
+    unfinished = list(ws.ledger.unfinished_runs())
+    held = (episodes.filter(pl.col("attempt_key").is_not_null() & (pl.col("status") != "env_fault")
+                            & ~pl.col("run_id").is_in(unfinished))
+            .select("attempt_key", pl.col("sample").fill_null(0)).collect())
+    return set(held.iter_rows())
 
 
 def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
-    """The queries of one version, each with the guidance written for that version.
+    """The queries of one version, each with the guidance written for that version and its attempt key; a query
+    whose every sample the warehouse already holds with that key is left out and counted (module docstring).
 
     The guidance is the latest guidance stage run that read this very queries version: in a
     nightly, the run's own; run stage by stage (`trajforge run history`, then `guidance`, then
@@ -224,9 +313,26 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
                     for r in rows.select("query_id", "guidance_id", "text").to_dicts()}
         if guidance:
             snapshots["guidance"] = info.snapshot_id
-    units = [RolloutUnit(Query.model_validate(q), guidance.get(q["query_id"]), f"queries@{snapshot}")
-             for q in frame.to_dicts()]
-    return Inputs(units=units, snapshots=snapshots)
+    settings = night_settings(ws.settings)
+    held = attempts_held(ws) if not settings.reroll_identical and frame.height else set()
+    specs: dict[str, str] = {}
+    units: list[RolloutUnit] = []
+    stats: Counter[str] = Counter()
+    seed_base = f"queries@{snapshot}"
+    for row in frame.to_dicts():
+        query = Query.model_validate(row)
+        if query.app not in specs:
+            try:
+                specs[query.app] = spec_hash(query.app)
+            except UnknownAppError:
+                specs[query.app] = ""  # the rollout drops it, naming the app
+        guide = guidance.get(query.query_id)
+        key = attempt_key(query, specs[query.app], ws.settings, settings, guide.text if guide else None, seed_base)
+        if all((key, sample) in held for sample in range(settings.samples_per_query)):
+            stats[NOT_ROLLED_AGAIN] += 1
+            continue
+        units.append(RolloutUnit(query, guide, seed_base, key))
+    return Inputs(units=units, snapshots=snapshots, stats=stats)
 
 
 def _count_policy_steps(output: StageOutput) -> None:
@@ -256,16 +362,24 @@ def policy_summary(stats: dict[str, int]) -> str | None:
             "s of model time per step")
 
 
+def rollout_summary(stats: dict[str, int]) -> str | None:
+    """The stage's line in the run's output: the policy's steps, and the queries not rolled again."""
+    again = stats.get(NOT_ROLLED_AGAIN, 0)
+    parts = [policy_summary(stats), f"{again} queries not rolled again (their attempts are in the warehouse with the "
+             "same attempt key; rollout.reroll_identical rolls them)" if again else None]
+    return "; ".join(p for p in parts if p) or None
+
+
 def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
     """Rollouts by the configured model iteration's model, guided where the run wrote guidance."""
-    settings = ws.settings.rollout
-    iteration_model = ws.settings.loop.models.get(ws.settings.loop.iteration)
-    if iteration_model is not None:
-        settings = settings.model_copy(update={"model": iteration_model})
+    settings = night_settings(ws.settings)
     guidance = {u.query.query_id: (u.guidance.guidance_id, u.guidance.text) for u in units if u.guidance}
     out = rollout([u.query for u in units], run_id=run_id, settings=settings, blobs=ws.blobs, gateway=ws.gateway,
                   guidance=guidance, seed_base=units[0].seed_base if units else "")
-    if iteration_model is not None:
+    keys = {u.query.query_id: u.attempt_key for u in units}
+    out.rows["episodes"] = [e.model_copy(update={"attempt_key": keys[e.query_id]})  # type: ignore[union-attr]
+                            for e in out.rows["episodes"]]
+    if ws.settings.loop.models.get(ws.settings.loop.iteration) is not None:
         out.stats[f"episodes by loop.models[{ws.settings.loop.iteration}]"] += len(out.rows["episodes"])
     return out
 
@@ -280,5 +394,5 @@ STAGE = StageDef[Workspace, RolloutUnit](
     run=run_rollouts,
     shard_size=lambda s: s.rollout.episodes_per_shard,
     # One shard at a time: each shard runs `rollout.contexts` browser contexts itself.
-    summary=policy_summary,
+    summary=rollout_summary,
 )

@@ -192,6 +192,11 @@ class RolloutSettings(_Section):
     max_fault_retries: int = Field(
         default=2, ge=0, description="Reruns of a query whose episode ended in an environment fault."
     )
+    reroll_identical: bool = Field(
+        default=False, description="Roll a query again even when the warehouse holds its attempts with the same "
+        "attempt key (the same query version, policy settings, model, guidance, sampling seeds and code), which "
+        "repeat them step for step and write every training row twice; true for an app whose state changes "
+        "between nights.")
 
     @model_validator(mode="after")
     def _samples_differ(self) -> RolloutSettings:

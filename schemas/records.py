@@ -119,6 +119,10 @@ class Episode(Record):
     success: bool | None = Field(
         default=None, description="The query's checker on the final state, where the stage that wrote the episode "
         "ran it (reference episodes); None: the critics judge it.")
+    attempt_key: str | None = Field(
+        default=None, description="Hash of what decided the rollout's attempt (query version, policy settings, "
+        "model, guidance, seed base, code): a later night does not roll a query whose attempts it holds with the "
+        "same key (rollout.reroll_identical). None: reference episodes and rows written before this field.")
 
     _json = field_validator("final_state_json")(_check_json)
 

@@ -24,7 +24,7 @@ from trajforge.data.notebook import TRAINING_TABLES, success_per_app, yield_per_
 from trajforge.guidance.history import hardness
 from trajforge.llm.cache import responses
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.stage import policy_summary
+from trajforge.rollout.stage import NOT_ROLLED_AGAIN, policy_summary
 from trajforge.synth import agentic_q, ces, pal_ui, pal_ui_sft
 from trajforge.synth.export import ROLE_TABLES
 
@@ -44,9 +44,10 @@ def _by(history: pl.DataFrame, column: str) -> list[str]:
 
 
 def render_report(*, run_id: str, tag: str, history: pl.DataFrame, guidance: pl.DataFrame,
-                  hard_before: list[str]) -> str:
+                  hard_before: list[str], not_rolled_again: int = 0) -> str:
     """Markdown for one run. `history` is every query_history row so far; `guidance` this run's guidance rows;
-    `hard_before` the queries that were hard when the run began."""
+    `hard_before` the queries that were hard when the run began; `not_rolled_again` the queries the rollout left
+    out as identical to attempts the warehouse holds."""
     now = history.filter(pl.col("run_id") == run_id)
     before = history.filter(pl.col("run_id") != run_id)
     accepted = int(now["success"].sum()) if now.height else 0
@@ -58,6 +59,9 @@ def render_report(*, run_id: str, tag: str, history: pl.DataFrame, guidance: pl.
         "## Yield", "",
         (f"Accepted trajectories per rollout: {_rate(accepted, now.height)} "
          "(rollouts: judged episodes; environment faults are rerun, not counted)."), "",
+        *([f"Not rolled again: {not_rolled_again} queries whose attempts the warehouse holds with the same attempt "
+           "key (query version, policy settings, model, guidance, seeds, code); rollout.reroll_identical rolls "
+           "them.", ""] if not_rolled_again else []),
         "## Success rate by app", "", *_by(now, "app"), "",
         "## Success rate by query source", "", *_by(now, "source"), "",
         "## Hard queries before and after guidance", "",
@@ -97,6 +101,7 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
     lines = ["## Training data written this run", "", "| table | kind | rows |", "| --- | --- | --- |"]
     episodes = _this_run(ws, "episodes", run_id)
     team = episodes is not None and episodes.filter(pl.col("policy") == "mobile_agent_v3").height > 0
+    rolled = episodes is not None and episodes.filter(pl.col("source").fill_null("policy") == "policy").height > 0
     for table, column in (("episodes", "source"), ("train_e2e", None), ("train_manager", None), ("train_worker", None),
                           ("train_reflector", "outcome"), ("train_notetaker", None), ("grounding", "kind"),
                           ("train_grounding", None), ("action_semantics", "tier"), ("train_semantics", None),
@@ -111,8 +116,9 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
             lines.append(f"| {table} | - | table not written yet |")
         elif column is None or rows.height == 0:
             why = " (no mobile_agent_v3 episode this run)" if table in ROLE_TABLE_NAMES and not team else \
-                " (no policy trajectory passed the critics and filters: see below)" if table == "train_e2e" and \
-                rows.height == 0 else ""
+                "" if table != "train_e2e" or rows.height else \
+                " (no policy episode this run)" if not rolled else \
+                " (no policy trajectory passed the critics and filters: see below)"
             lines.append(f"| {table} | all | {rows.height}{why} |")
         else:
             for value, n in rows.group_by(column).len().sort(column).iter_rows():
@@ -132,16 +138,17 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
 
 def render_policy(ws: Workspace, run_id: str) -> list[str]:
     """The model policy's steps this run, as the rollout stage counted them in its lineage."""
-    lineage = next((i.lineage for i in ws.catalog.history("steps") if i.run_id == run_id and i.lineage is not None
-                    and i.lineage.stage == "rollout"), None) if "steps" in ws.catalog.tables() else None
+    lineage = _lineage_of_run(ws, "steps", run_id, stage="rollout")
     line = policy_summary(lineage.stats) if lineage is not None else None
     return ["## The policy's steps", "", f"{line}.", ""] if line else []
 
 
-def _lineage_of_run(ws: Workspace, table: str, run_id: str) -> Lineage | None:
+def _lineage_of_run(ws: Workspace, table: str, run_id: str, stage: str | None = None) -> Lineage | None:
+    """The lineage of the run's last commit to the table (by `stage`, where given)."""
     if table not in ws.catalog.tables():
         return None
-    mine = [i.lineage for i in ws.catalog.history(table) if i.run_id == run_id and i.lineage is not None]
+    mine = [i.lineage for i in ws.catalog.history(table) if i.run_id == run_id and i.lineage is not None
+            and stage in (None, i.lineage.stage)]
     return mine[-1] if mine else None
 
 
@@ -250,8 +257,9 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     ]
     path = ws.catalog.warehouse / "reports" / f"{run_id}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = render_report(run_id=run_id, tag=tag, history=history, guidance=guidance,
-                           hard_before=hard_before)
+    rollout = _lineage_of_run(ws, "episodes", run_id, stage="rollout")
+    report = render_report(run_id=run_id, tag=tag, history=history, guidance=guidance, hard_before=hard_before,
+                           not_rolled_again=rollout.stats.get(NOT_ROLLED_AGAIN, 0) if rollout is not None else 0)
     snapshots = _run_snapshots(ws, run_id)
     plots = write_plots(path.parent, run_id, yields=yield_per_night(ws.catalog), success=success_per_app(ws.catalog),
                         labels=label_mix(ws, run_id), rejections=rejections(snapshots),

@@ -2,7 +2,8 @@
 
 Quality is not judged (a 135M text model's actions are rarely the right ones); the loop is:
 real model calls, real actions, rows that name the model and the template versions,
-each role of Mobile-Agent-v3 recorded, and a rerun that asks the model nothing. Decoding
+each role of Mobile-Agent-v3 recorded, and a rerun that rolls nothing (or, asked to, asks the model
+nothing). Decoding
 is constrained by default, so every action the embedded model writes is a valid one.
 """
 
@@ -79,8 +80,13 @@ def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embe
     assert lineage.models["policy_model"] == SMOLLM2_ID and lineage.prompts == {"gui_owl_e2e": "1"}
     assert ws.catalog.load("verdicts").height == episodes.height
 
-    # The same stage over the same queries again: every answer comes from the cache.
+    # The same stage over the same queries again: the attempts are in the warehouse, so nothing is rolled;
+    # asked to roll them again anyway, every answer comes from the cache.
     queries = ws.catalog.history("queries")[-1].snapshot_id
+    said = cli(trajforge_cli, tmp_path, "run", "rollout", "--input", f"queries@{queries}")
+    assert f"rollout: {episodes['query_id'].n_unique()} queries not rolled again" in said
+    assert ws.catalog.history("steps")[-1].added_rows == 0
+    (tmp_path / "trajforge.yaml").write_text(CONFIG.replace("rollout:\n", "rollout:\n  reroll_identical: true\n"))
     cli(trajforge_cli, tmp_path, "run", "rollout", "--input", f"queries@{queries}")
     latest = ws.catalog.history("steps")[-1]
     rerun = ws.catalog.load("steps", latest.snapshot_id).filter(pl.col("run_id") == latest.run_id)

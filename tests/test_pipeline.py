@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from trajforge.llm.workspace import Workspace
+from trajforge.rollout.stage import NOT_ROLLED_AGAIN
 from trajforge.schemas.config import Settings
 
 pytestmark = pytest.mark.browser
@@ -65,7 +66,7 @@ def two_nights(tmp_path_factory, chromium, trajforge_cli):
     (cwd / "trajforge.yaml").write_text(CONFIG.format(n=5, per_shard=2))
     first = cli(trajforge_cli, cwd, "run", "nightly")
     second = cli(trajforge_cli, cwd, "run", "nightly")
-    return cwd, first.stdout, second.stdout
+    return cwd, first.stdout, second.stdout + second.stderr  # the stages' summaries are Prefect log lines (stderr)
 
 
 def test_nightly_prints_a_summary_and_leaves_iceberg_tables(two_nights):
@@ -103,7 +104,7 @@ def test_every_replayed_episode_is_judged_a_success(two_nights):
     nightly_verdicts = ws.catalog.history("verdicts")[1]  # after both nightly runs, before any rerun
     verdicts = ws.catalog.load("verdicts", nightly_verdicts.snapshot_id)
     episodes = by_policy(ws.catalog.load("episodes")).filter(pl.col("status") != "env_fault")  # faults: no verdict
-    assert verdicts.height == episodes.height == 12  # two nights of 5 page-graph and 1 atomic query
+    assert verdicts.height == episodes.height == 6  # night 1's 5 page-graph and 1 atomic query
     recorded = ws.catalog.load("episodes")
     references = recorded.filter((pl.col("source") == "reference") & (pl.col("status") != "env_fault"))
     # 6 queries x 2 viewports, once: night 2 reuses them (a replay that timed out on a loaded machine is retried)
@@ -114,6 +115,20 @@ def test_every_replayed_episode_is_judged_a_success(two_nights):
     assert channels["checker"]["answer"] == "success"
     steps = ws.catalog.load("steps")
     assert steps["screenshot_before"].map_elements(lambda h: h in ws.blobs, return_dtype=pl.Boolean).all()
+
+
+def test_the_second_night_rolls_no_query_again_and_says_why(two_nights):
+    """The same replay policy on the same queries would repeat night 1's episodes step for step (and write each
+    training row twice): night 2 rolls none, and its lineage, output and report say so."""
+    cwd, _, second = two_nights
+    ws = workspace(cwd)
+    night1, night2 = of_stage(ws, "episodes", "rollout")
+    keys = by_policy(ws.catalog.load("episodes", night1.snapshot_id))["attempt_key"]
+    assert keys.null_count() == 0 and keys.n_unique() == 6  # one key per query
+    assert night2.added_rows == 0 and night2.lineage.stats[NOT_ROLLED_AGAIN] == 6
+    assert "rollout: 6 queries not rolled again" in second.replace("\n", " ")
+    report = (cwd / "data" / "warehouse" / "reports" / f"{night2.run_id}.md").read_text()
+    assert "Not rolled again: 6 queries" in report and "| train_e2e | all | 0 (no policy episode this run) |" in report
 
 
 def test_critics_rerun_alone_names_its_input_snapshot(two_nights, trajforge_cli):

@@ -28,8 +28,8 @@ from trajforge.envs.spec import AppSpec, placeholders
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.rollout.replay import ReplayPolicy, SlotError, plan
-from trajforge.rollout.stage import episode_id_for, rollout
-from trajforge.schemas.config import RolloutSettings
+from trajforge.rollout.stage import attempt_key, episode_id_for, rollout
+from trajforge.schemas.config import RolloutSettings, Settings
 from trajforge.schemas.records import Episode, Query, Step
 
 VIEWPORTS = ["mobile", "desktop"]
@@ -297,3 +297,44 @@ def test_validate_action_space() -> None:
         assert "finite number" in actions.validate({"type": "scroll", "x": 1, "y": 1, "dy": nan_or_inf}, 1280, 800,
                                                    "desktop")
         assert "finite number" in actions.validate({"type": "wait", "seconds": nan_or_inf}, 412, 915)
+
+
+def test_an_attempt_key_changes_with_what_decides_the_attempt_and_not_with_how_the_night_runs() -> None:
+    """A later night leaves out a query whose attempts the warehouse holds with the same key, so the key must change
+    with everything that changes what the policy does, and with nothing that only changes how the night runs."""
+    spec = load_app("shop").spec
+    query = make_query(spec, "cart", query_id="q-key")
+    settings = Settings(llm={"endpoints": {"big": {"base_url": "http://gpu:8000/v1", "model": "qwen"}}})
+    greedy = RolloutSettings(policy="gui_owl_e2e")
+
+    def key(rollout: RolloutSettings = greedy, *, q: Query = query, guidance: str | None = None,
+            seed_base: str = "queries@1", s: Settings = settings, spec_hash: str = "spec-1") -> str:
+        return attempt_key(q, spec_hash, s, rollout, guidance, seed_base)
+
+    same = key()
+    # How the night runs: contexts, shards, timeouts, fault reruns, the reference viewports, and (greedy) which
+    # queries version the night read.
+    assert key(greedy.model_copy(update={"contexts": 4, "episodes_per_shard": 9, "action_timeout_s": 3.0,
+                                         "max_fault_retries": 0, "reference_viewports": ["mobile"],
+                                         "reroll_identical": True})) == same
+    assert key(seed_base="queries@2") == same
+    assert key(s=settings.model_copy(update={"llm": settings.llm.model_copy(update={"cache": False})})) == same
+    # What the policy does.
+    changed = [
+        key(greedy.model_copy(update={"viewport": "desktop"})),
+        key(greedy.model_copy(update={"model": "big"})),
+        key(greedy.model_copy(update={"history_images": 2})),
+        key(greedy.model_copy(update={"temperature": 0.7})),
+        key(guidance="Open the cart first."),
+        key(q=query.model_copy(update={"instruction": query.instruction + " now"})),
+        key(spec_hash="spec-2"),  # the app's page graph changed
+        key(s=settings.model_copy(update={"llm": settings.llm.model_copy(
+            update={"local": settings.llm.local.model_copy(update={"model": "/models/other"})})})),
+    ]
+    assert same not in changed and len(set(changed)) == len(changed)
+    sampled = greedy.model_copy(update={"temperature": 0.7})
+    assert key(sampled, seed_base="queries@2") != key(sampled)  # a new night's queries version samples anew
+    replay = RolloutSettings(policy="replay")  # no model, no draw: neither the llm section nor the seed base counts
+    other_llm = settings.model_copy(update={"llm": settings.llm.model_copy(update={"default": "big"})})
+    assert key(replay) == key(replay, s=other_llm, seed_base="queries@2") != key(replay.model_copy(
+        update={"viewport": "desktop"}))
