@@ -4,8 +4,10 @@ Runs `trajforge run nightly` twice in a fresh folder, as a user would, on the em
 model (the end-to-end policy, the model step critic and the text channel). Nothing
 changes between the two runs: same config, same apps, and no guidance (`loop.max_guided:
 0`, since guidance for the first night's failures would be new work). The second run
-redoes every stage over the same queries, and each model request it makes is the same
-as the first's, so the response cache should answer all of them.
+generates the same queries; their reference paths are recorded already, and the rollout
+leaves out every query whose attempts the warehouse holds with the same attempt key, so
+the stages after it have nothing new to read. Any model request it still makes would be
+the same as the first's, which the response cache answers.
 
 Model calls are counted as new rows in the response cache (`llm.cache.responses`):
 one row per distinct request answered by a model. Prints a table; never asserts.
