@@ -16,7 +16,8 @@ what the policy does, the model it asks, the guidance in its prompt, its sampled
 seeds and the code. Such a night would repeat those episodes step for step (the bundled
 apps, MiniWoB++ seeds and the reference path are deterministic, and the response cache
 answers the model), writing every training row a second time. `rollout.reroll_identical`
-rolls them again, for an app whose state changes between nights.
+rolls them again, for an app whose state changes between nights; Android devices' queries
+are always rolled (a device's clock alone changes its screens).
 """
 
 from __future__ import annotations
@@ -316,6 +317,7 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
     settings = night_settings(ws.settings)
     held = attempts_held(ws) if not settings.reroll_identical and frame.height else set()
     specs: dict[str, str] = {}
+    on_devices: set[str] = set()  # a device's screen and state drift (its clock, for one): always rolled again
     units: list[RolloutUnit] = []
     stats: Counter[str] = Counter()
     seed_base = f"queries@{snapshot}"
@@ -324,11 +326,13 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
         if query.app not in specs:
             try:
                 specs[query.app] = spec_hash(query.app)
+                if not kind_for(query.app).in_browser:
+                    on_devices.add(query.app)
             except UnknownAppError:
                 specs[query.app] = ""  # the rollout drops it, naming the app
         guide = guidance.get(query.query_id)
         key = attempt_key(query, specs[query.app], ws.settings, settings, guide.text if guide else None, seed_base)
-        if all((key, sample) in held for sample in range(settings.samples_per_query)):
+        if query.app not in on_devices and all((key, sample) in held for sample in range(settings.samples_per_query)):
             stats[NOT_ROLLED_AGAIN] += 1
             continue
         units.append(RolloutUnit(query, guide, seed_base, key))

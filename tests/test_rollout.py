@@ -338,3 +338,37 @@ def test_an_attempt_key_changes_with_what_decides_the_attempt_and_not_with_how_t
     other_llm = settings.model_copy(update={"llm": settings.llm.model_copy(update={"default": "big"})})
     assert key(replay) == key(replay, s=other_llm, seed_base="queries@2") != key(replay.model_copy(
         update={"viewport": "desktop"}))
+
+
+def test_a_finished_runs_identical_attempts_are_left_out_and_a_devices_never(tmp_path: Path) -> None:
+    """The rollout stage's plan: a browser query whose attempt a finished run holds is left out (and counted);
+    the same while that run is unfinished (a run resuming after its commit) is kept, as is an Android query,
+    whose device's screens drift between nights."""
+    from trajforge.data.catalog import Lineage
+    from trajforge.envs.android import android_queries
+    from trajforge.llm.workspace import Workspace
+    from trajforge.rollout.stage import NOT_ROLLED_AGAIN, load_queries
+    from trajforge.schemas.config import AndroidTask
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, rollout={"policy": "random"}))
+    run = ws.ledger.open_run("nightly", "night-1").run_id
+
+    def lineage(table: str) -> Lineage:
+        return Lineage(stage="test", run_id=run, commit_key=f"{run}:{table}", config_hash="x", code_version="x")
+
+    (device,) = android_queries([AndroidTask(instruction="x", start="a.b/.C", probe="p", value="1")], run_id=run)
+    browser = make_query(load_app("shop").spec, "cart").model_copy(update={"run_id": run})
+    snapshot = ws.catalog.commit_rows("queries", [browser, device], lineage("queries"))
+    first = load_queries(ws, snapshot)
+    assert len(first.units) == 2 and not first.stats
+    now = datetime.now(timezone.utc)
+    ws.catalog.commit_rows("episodes", [Episode(
+        episode_id=f"e{i}", query_id=u.query.query_id, app=u.query.app, instruction=u.query.instruction,
+        run_id=run, policy="random", model_id="random", prompt_version="", viewport="mobile", status="terminated",
+        num_steps=1, final_url="", final_state_json="{}", started_at=now, finished_at=now, sample=0,
+        attempt_key=u.attempt_key) for i, u in enumerate(first.units)], lineage("episodes"))
+    assert [u.attempt_key for u in load_queries(ws, snapshot).units] == [u.attempt_key for u in first.units]
+    ws.ledger.finish_run(run, {})
+    again = load_queries(ws, snapshot)
+    assert [u.query.app for u in again.units] == ["android"] and again.stats == {NOT_ROLLED_AGAIN: 1}
+    assert again.units[0].attempt_key == next(u.attempt_key for u in first.units if u.query.app == "android")
