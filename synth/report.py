@@ -115,10 +115,12 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
         if rows is None:
             lines.append(f"| {table} | - | table not written yet |")
         elif column is None or rows.height == 0:
-            why = " (no mobile_agent_v3 episode this run)" if table in ROLE_TABLE_NAMES and not team else \
-                "" if table != "train_e2e" or rows.height else \
-                " (no policy episode this run)" if not rolled else \
-                " (no policy trajectory passed the critics and filters: see below)"
+            why = ""
+            if table in ROLE_TABLE_NAMES and not team:
+                why = " (no mobile_agent_v3 episode this run)"
+            elif table == "train_e2e" and rows.height == 0:
+                why = (" (no policy trajectory passed the critics and filters: see below)" if rolled
+                       else " (no policy episode this run)")
             lines.append(f"| {table} | all | {rows.height}{why} |")
         else:
             for value, n in rows.group_by(column).len().sort(column).iter_rows():
