@@ -636,6 +636,26 @@ class BrowserEnv:
         state: dict[str, Any] = await response.json()
         return state
 
+    def request(self, method: str, url: str) -> tuple[int, str]:
+        """An HTTP request with the context's cookies (the episode's login and session): (status, body text).
+        A URL that is a path goes to the origin of the episode's start page."""
+        if url.startswith("/"):
+            if self._origin is None:
+                raise RuntimeError("a request to a path before reset")
+            url = self._origin + url
+        return self._call(self._request(method, url), f"{method} {url}")
+
+    async def _request(self, method: str, url: str) -> tuple[int, str]:
+        assert self._context is not None
+        response = await self._context.request.fetch(url, method=method, timeout=self.timeout_s * 1000)
+        return response.status, await response.text()
+
+    def evaluate(self, expression: str, arg: Any = None) -> Any:
+        """A JavaScript function's result on the current page, called with `arg`."""
+        assert self._page is not None
+        page = self._page
+        return self._call(page.evaluate(expression, arg), "evaluating a script")
+
     def element_at(self, x: float, y: float) -> Element | None:
         """The control under a point, as the last observation saw it: the element painted on top
         there, or its nearest interactive ancestor in that accessibility tree, with its box; None

@@ -1,10 +1,12 @@
 """The app kinds behind one interface: each knows its tasks, its environment and its checker.
 
 A query names its app; `kind_for(name)` is the one place a name becomes a kind:
-"miniwob" and "android" are task suites, any other name is a bundled web app. The
+"miniwob" and "android" are task suites, a name an app directory registered
+(`use_app_dirs`, from `query_gen.app_dirs`) is a user's own web app, any other name is
+a bundled web app. The
 stages ask the kind, never the name: query generation for the suite's own tasks,
 rollouts for where an episode starts and which environment it sees, critics and
-guidance for the checker. A new kind (a user's own web app) is one class here.
+guidance for the checker. A new kind is one class here.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any, TypeVar
 
 from trajforge.envs import android, miniwob
 from trajforge.envs.android import DevicePool, android_queries, check_probe
-from trajforge.envs.apps import AppServer, BundledApp, load_app
+from trajforge.envs.appdir import AppDir, AppDirEnv, load_app_dir, running
+from trajforge.envs.apps import AppServer, BundledApp, known_apps, load_app
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer, check_reward, check_tasks, miniwob_queries
-from trajforge.envs.spec import AppSpec
+from trajforge.envs.spec import AppSpec, SpecError
 from trajforge.schemas.config import RolloutSettings, Settings
 from trajforge.schemas.records import Episode, Query
 
@@ -40,6 +44,8 @@ class Site:
 
     start_url: Callable[[Query], str]
     """Where a query's episode starts."""
+    base_url: str = ""
+    """The origin the app answers at (a web app's page paths are relative to it)."""
     wrap: Callable[[BrowserEnv], Any] = lambda env: env
     """The environment an episode sees on a pooled browser context (e.g. MiniWoB++'s seeded reset)."""
     launchers: dict[str, str] = field(default_factory=dict)
@@ -97,7 +103,26 @@ class BundledWebKind(AppKind):
     def serve(self, stack: ExitStack) -> Site:
         server = stack.enter_context(AppServer(self.app))
         url = server.base_url + self.spec.pages[self.spec.start].url
-        return Site(start_url=lambda q: url, launchers={self.spec.title: url, self.name: url})
+        return Site(start_url=lambda q: url, base_url=server.base_url, launchers={self.spec.title: url, self.name: url})
+
+
+class AppDirKind(AppKind):
+    """A user's own web app from its app directory (`envs.appdir`): served where it runs, reset as it says, and
+    judged by its declarative checks on the final state read at the end of each episode."""
+
+    def __init__(self, app: AppDir) -> None:
+        self.app_dir = app
+        self.name = app.name
+        self.spec = app.spec
+
+    def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+        return self.app_dir.check(checker, params, state)
+
+    def serve(self, stack: ExitStack) -> Site:
+        base = stack.enter_context(running(self.app_dir))
+        url = base + self.spec.pages[self.spec.start].url
+        return Site(start_url=lambda q: url, base_url=base, wrap=lambda env: AppDirEnv(env, self.app_dir),
+                    launchers={self.spec.title: url, self.name: url})
 
 
 class MiniWoBKind(AppKind):
@@ -141,13 +166,39 @@ class AndroidKind(AppKind):
         return DevicePool(settings.android).map(lambda env, q: fn(env, q, q.path[0]), queries)
 
 
+_APP_DIRS: dict[str, AppDir] = {}
+"""The app directories this process was given, by app name."""
+
+
+def use_app_dirs(paths: list[Path]) -> list[AppKind]:
+    """Read the app directories and make their apps known to `kind_for`, in this process (each worker of a night
+    does it when it opens the night's workspace); their kinds, in order. A directory whose app takes the name of a
+    bundled app, a suite or another directory's app raises SpecError."""
+    kinds = []
+    for path in paths:
+        app = load_app_dir(path)
+        taken = (f"the bundled app {app.name!r}" if app.name in known_apps()
+                 else f"the {app.name} suite" if app.name in (MINIWOB, ANDROID)
+                 else f"the app of {_APP_DIRS[app.name].path}" if app.name in _APP_DIRS
+                 and _APP_DIRS[app.name].path != app.path else None)
+        if taken:
+            raise SpecError(f"{app.path}/spec.yaml: app: {app.name!r} is the name of {taken}; give it another")
+        if _APP_DIRS.get(app.name) != app:
+            _APP_DIRS[app.name] = app
+            kind_for.cache_clear()
+        kinds.append(kind_for(app.name))
+    return kinds
+
+
 @functools.cache
 def kind_for(name: str) -> AppKind:
-    """The kind of the app a query names; an unknown bundled app raises UnknownAppError."""
+    """The kind of the app a query names; an unknown app raises UnknownAppError."""
     if name == MINIWOB:
         return MiniWoBKind()
     if name == ANDROID:
         return AndroidKind()
+    if name in _APP_DIRS:
+        return AppDirKind(_APP_DIRS[name])
     return BundledWebKind(load_app(name))
 
 
@@ -158,12 +209,13 @@ def check_episode(query: Query, episode: Episode) -> tuple[bool, str]:
 
 
 def configured_kinds(settings: Settings) -> list[AppKind]:
-    """The kinds the config asks queries of: its bundled apps, then the suites it names tasks of.
+    """The kinds the config asks queries of: its bundled apps, its app directories, then the suites it names
+    tasks of.
 
     Validates on the way (an unknown app or MiniWoB++ task raises), so a run can check
     its config before any work.
     """
-    kinds = [kind_for(name) for name in settings.query_gen.apps]
+    kinds = [kind_for(name) for name in settings.query_gen.apps] + use_app_dirs(settings.query_gen.app_dirs)
     if settings.query_gen.miniwob_tasks:
         check_tasks(settings.query_gen.miniwob_tasks)
         kinds.append(kind_for(MINIWOB))

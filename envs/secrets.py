@@ -31,6 +31,15 @@ def unset(text: str) -> str | None:
     return "secret " + ", ".join(f"{n!r} is not set ({variable(n)})" for n in names) if names else None
 
 
+def mask(text: str) -> str:
+    """`text` with the value of every secret set in this process replaced by its placeholder: for what an app
+    answers or shows outside the screen (a user's app may echo what was typed into it)."""
+    for name, value in os.environ.items():
+        if name.startswith(VARIABLE_PREFIX) and value:
+            text = text.replace(value, f"<secret>{name.removeprefix(VARIABLE_PREFIX).lower()}</secret>")
+    return text
+
+
 def reveal(text: str) -> str:
     """`text` with every placeholder replaced by its secret, for the keyboard only; raises KeyError
     naming the variable of an unset one (check `unset` first for an error to record)."""

@@ -119,7 +119,7 @@ def placeholders(template: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
-def _validate(spec: AppSpec) -> list[str]:
+def spec_problems(spec: AppSpec) -> list[str]:
     """Problems a pydantic model cannot see: dangling references, cycles, unreachable goals."""
     problems: list[str] = []
     pages = set(spec.pages)
@@ -173,7 +173,7 @@ def load_spec(path: Path) -> AppSpec:
     except ValidationError as exc:
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
         raise SpecError(f"{path}: invalid app spec:\n  " + "\n  ".join(problems)) from None
-    problems = _validate(spec)
+    problems = spec_problems(spec)
     if problems:
         raise SpecError(f"{path}: invalid app spec:\n  " + "\n  ".join(problems))
     return spec

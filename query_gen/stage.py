@@ -1,11 +1,13 @@
-"""The query-generation stage: bundled apps in, `queries` rows (and the `pages` it saw) out (paper 6.2).
+"""The query-generation stage: web apps in, `queries` rows (and the `pages` it saw) out (paper 6.2).
 
 Per app: sample tasks on the page graph; write each instruction from its template or,
 with `instructions: model`, by model synthesis and refinement; drop near-duplicate
 instructions; find atomic-operation queries on the live pages; with
 `validate_interface`, crawl the live app and drop queries whose pages, slot values or
 target elements are gone; for the apps named in `deep_search_apps`, search the live
-accessibility tree for menu, tab and dialog pathways and make queries of them. Coverage
+accessibility tree for menu, tab and dialog pathways and make queries of them. A user's
+own app (an app directory) gets all of it but atomic operations and deep search, which
+read the bundled apps' interaction recorder and per-session server. Coverage
 of the graph, operation kinds and sources go into the stage's statistics, and every
 drop is counted under its reason, so the lineage explains each missing query.
 """
@@ -17,15 +19,16 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
 from trajforge.data.blobs import BlobStore
-from trajforge.envs.apps import AppServer, BundledApp
 from trajforge.envs.browser import BrowserEnv, Observation
-from trajforge.envs.kinds import configured_kinds, kind_for
+from trajforge.envs.kinds import AppKind, configured_kinds, kind_for
+from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.atomic import atomic_queries
@@ -81,7 +84,7 @@ def _row(task: SampledTask, instruction: str, generator: str, *, run_id: str, se
 
 
 def generate_queries(
-    apps: list[BundledApp],
+    apps: list[AppKind],
     *,
     run_id: str,
     settings: QueryGenSettings,
@@ -90,7 +93,7 @@ def generate_queries(
     viewport: Literal["mobile", "desktop"] = "mobile",
     pages: PageLog | None = None,
 ) -> StageOutput:
-    """Sample, write, deduplicate and validate the queries of each app.
+    """Sample, write, deduplicate and validate the queries of each web app (a kind with a page graph).
 
     Per app: page-graph tasks, then atomic-operation queries found on its live pages
     (in `viewport`, the rollout's, so they use only operations its action space has),
@@ -104,7 +107,7 @@ def generate_queries(
     if settings.instructions == "model" and gateway is None:
         raise ValueError("query_gen.instructions: 'model' needs a model gateway (llm settings)")
     live = settings.validate_interface or settings.atomic_per_app > 0 or any(
-        a.name in settings.deep_search_apps for a in apps)
+        a.app is not None and a.name in settings.deep_search_apps for a in apps)
     if live and chromium is None:
         raise ValueError("query_gen: validate_interface, atomic_per_app and deep_search_apps open the live app "
                          "and need a Chromium (rollout.chromium)")
@@ -113,16 +116,17 @@ def generate_queries(
     commander = Commander(gateway, settings.instruction_model) if gateway is not None and synthesiser else None
     rows: list[Query] = []
     now = datetime.now(timezone.utc)
-    for app in apps:
-        queries = _page_graph_queries(app, settings, synthesiser, out, run_id=run_id, now=now)
+    for kind in apps:
+        assert kind.spec is not None, f"{kind.name} has no page graph"
+        queries = _page_graph_queries(kind.spec, settings, synthesiser, out, run_id=run_id, now=now)
         if live:
             assert chromium is not None
-            queries = _live_queries(app, settings, commander, out, queries, run_id=run_id, now=now,
+            queries = _live_queries(kind, settings, commander, out, queries, run_id=run_id, now=now,
                                     chromium=chromium, viewport=viewport, pages=pages)
         # Every new query starts with no attempts: the self-evolving loop counts from here.
         queries = [q.model_copy(update={"attempts": 0, "successes": 0}) for q in queries]
-        out.stats.update(coverage(app.spec, queries))
-        out.stats.update(Counter(f"queries: {app.name}: {q.source}" for q in queries))
+        out.stats.update(coverage(kind.spec, queries))
+        out.stats.update(Counter(f"queries: {kind.name}: {q.source}" for q in queries))
         rows.extend(queries)
     if synthesiser is not None:
         out.prompts.update({p.name: p.version for p in (synthesiser.synthesis, synthesiser.refine)})
@@ -135,10 +139,9 @@ def generate_queries(
     return out
 
 
-def _page_graph_queries(app: BundledApp, settings: QueryGenSettings, synthesiser: Synthesiser | None,
+def _page_graph_queries(spec: AppSpec, settings: QueryGenSettings, synthesiser: Synthesiser | None,
                         out: StageOutput, *, run_id: str, now: datetime) -> list[Query]:
     """Sampled paths with their instructions (template, or written by the model), near-duplicates dropped."""
-    spec = app.spec
     tasks = sample_tasks(spec, settings.num_queries, seed=settings.seed, max_len=settings.max_path_len)
     if len(tasks) < settings.num_queries:
         out.dropped[f"{spec.app}: graph has fewer distinct tasks than num_queries"] += settings.num_queries - len(tasks)
@@ -159,28 +162,35 @@ def _page_graph_queries(app: BundledApp, settings: QueryGenSettings, synthesiser
     return queries
 
 
-def _live_queries(app: BundledApp, settings: QueryGenSettings, commander: Commander | None, out: StageOutput,
+def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commander | None, out: StageOutput,
                   page_graph: list[Query], *, run_id: str, now: datetime, chromium: Path,
                   viewport: Literal["mobile", "desktop"], pages: PageLog | None) -> list[Query]:
     """The page-graph queries that pass interface validation, with the atomic-operation and
     deep-search queries found on the live app; each drop is counted with its reason."""
     found = list(page_graph)
+    app, spec = kind.app, kind.spec
+    assert spec is not None
     def watch(viewport: str) -> Callable[[Observation], None] | None:
-        return pages.watch(app.name, viewport) if pages is not None else None
+        return pages.watch(kind.name, viewport) if pages is not None else None
 
-    with AppServer(app) as server, BrowserEnv(chromium=chromium, viewport=viewport, on_observe=watch(viewport)) as env:
-        if settings.atomic_per_app:
-            atomic = atomic_queries(app, server.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
+    with ExitStack() as stack:
+        site = kind.serve(stack)
+        env = site.wrap(stack.enter_context(BrowserEnv(chromium=chromium, viewport=viewport,
+                                                       on_observe=watch(viewport))))
+        if settings.atomic_per_app and app is None:
+            out.stats[f"atomic: not made: {kind.name}: a user's app has no interaction recorder to check them"] += 1
+        elif settings.atomic_per_app:
+            atomic = atomic_queries(app, site.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
                                     space=env.space, run_id=run_id, now=now, margin=settings.step_budget_margin,
                                     max_pages=settings.atomic_pages)
             found += atomic.queries
             out.stats.update({f"atomic: not made: {k}": n for k, n in atomic.skipped.items()})
         if settings.validate_interface:
-            checked = InterfaceValidator(app.spec, server.base_url, env).validate(found)
+            checked = InterfaceValidator(spec, site.base_url, env).validate(found)
             found = checked.kept
             out.dropped.update(checked.dropped)
             out.stats.update({f"validation: reached by driving a form: {k}": n for k, n in checked.driven.items()})
-    if app.name in settings.deep_search_apps and settings.deep_search_queries:
+    if app is not None and app.name in settings.deep_search_apps and settings.deep_search_queries:
         with BrowserEnv(chromium=chromium, viewport="desktop", on_observe=watch("desktop")) as env:  # a desktop app's menus
             searched = deep_search_queries(app, env, run_id=run_id, commander=commander,
                                            max_depth=settings.deep_search_depth)
@@ -202,7 +212,8 @@ def _live_queries(app: BundledApp, settings: QueryGenSettings, commander: Comman
 
 @dataclass(frozen=True)
 class AppUnit:
-    """One app kind to make queries for: a bundled app by name, or a task suite ("miniwob", "android")."""
+    """One app kind to make queries for: a web app by name (bundled or the user's), or a task suite ("miniwob",
+    "android")."""
 
     app: str
 
@@ -219,7 +230,7 @@ def run_query_gen(units: list[AppUnit], ws: Workspace, run_id: str, _: str) -> S
     cfg = ws.settings.query_gen
     kinds = [kind_for(u.app) for u in units]
     out = generate_queries(
-        [k.app for k in kinds if k.app is not None], run_id=run_id, settings=cfg,
+        [k for k in kinds if k.in_browser and k.spec is not None], run_id=run_id, settings=cfg,
         gateway=ws.gateway if cfg.instructions == "model" else None, chromium=ws.settings.rollout.chromium,
         viewport=ws.settings.rollout.viewport, pages=PageLog(ws.blobs, run_id),
     )

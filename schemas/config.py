@@ -87,6 +87,12 @@ class QueryGenSettings(_Section):
         description="Bundled apps to make queries for (every one but `account`, whose tasks sign in with the "
         "password in $TRAJFORGE_SECRET_ACCOUNT_PASSWORD).",
     )
+    app_dirs: list[Path] = Field(
+        default=[],
+        description="Your own web apps: app directories, each a spec.yaml with the page graph, where the app "
+        "runs, how it resets and its checks (envs.appdir; README 'Your own app'). Queries are made for each, "
+        "beside the bundled `apps`.",
+    )
     num_queries: int = Field(
         default=1, gt=0, description="Page-graph queries sampled per app (the default keeps a laptop run with the embedded model short)."
     )

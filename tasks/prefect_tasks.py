@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from trajforge.envs.kinds import use_app_dirs
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings
 from trajforge.tasks.runner import Shard, StagePlan, run_shard
@@ -35,6 +36,7 @@ def run_workspace(run_id: str, ws: Workspace) -> Iterator[Workspace]:
     with `runner.engine: dask` and no `runner.dask_address`, a LocalCluster of `runner.workers` processes lives
     as long as the block, so a night's stages share its workers (and the models each has loaded)."""
     runner = ws.settings.runner
+    use_app_dirs(ws.settings.query_gen.app_dirs)
     with ExitStack() as stack:
         _WORKSPACES[run_id] = ws
         stack.callback(_WORKSPACES.pop, run_id, None)
@@ -76,10 +78,11 @@ def task_runner(run_id: str, workers: int) -> TaskRunner:
 
 
 def portable(settings: Settings) -> Settings:
-    """The settings a worker in another process opens the run's workspace from: the warehouse folder as an
-    absolute path (a worker's working directory is its own)."""
+    """The settings a worker in another process opens the run's workspace from: the warehouse folder and the
+    app directories as absolute paths (a worker's working directory is its own)."""
     warehouse = settings.warehouse.model_copy(update={"path": settings.warehouse.path.resolve()})
-    return settings.model_copy(update={"warehouse": warehouse})
+    query_gen = settings.query_gen.model_copy(update={"app_dirs": [p.resolve() for p in settings.query_gen.app_dirs]})
+    return settings.model_copy(update={"warehouse": warehouse, "query_gen": query_gen})
 
 
 def _open(run_id: str, settings: Settings) -> Workspace:
@@ -88,6 +91,7 @@ def _open(run_id: str, settings: Settings) -> Workspace:
     ws = _WORKSPACES.get(run_id)
     if ws is None:
         _WORKSPACES.clear()
+        use_app_dirs(settings.query_gen.app_dirs)  # the user's apps, known to kind_for in this worker too
         ws = _WORKSPACES[run_id] = Workspace.open(settings)
     return ws
 

@@ -16,6 +16,7 @@ import pytest
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs.apps import load_app
+from trajforge.envs.kinds import BundledWebKind
 from trajforge.query_gen.quality import normalise
 from trajforge.query_gen.stage import generate_queries
 from trajforge.rollout.stage import rollout
@@ -28,7 +29,7 @@ PAGE_GRAPH_APPS = ("calendar", "mail", "notes", "settings", "shop")
 @pytest.mark.browser
 @pytest.mark.timeout(1800)  # about 4 minutes on a quiet machine; several times that beside other browser work
 def test_two_hundred_validated_queries_all_replay_to_checker_success(chromium: Path, tmp_path: Path) -> None:
-    apps = [load_app(name) for name in PAGE_GRAPH_APPS]
+    apps = [BundledWebKind(load_app(name)) for name in PAGE_GRAPH_APPS]
     out = generate_queries(apps, run_id="corpus", settings=QueryGenSettings(num_queries=60, atomic_per_app=0), chromium=chromium)
     queries = cast(list[Query], out.rows["queries"])
 

@@ -16,6 +16,7 @@ import pytest
 
 from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
 from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.kinds import BundledWebKind
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
 from trajforge.llm.local import SMOLLM2_ID
@@ -38,7 +39,7 @@ def env(chromium: Path) -> Iterator[BrowserEnv]:
 
 
 def shop_queries(shop: BundledApp, n: int) -> list[Query]:
-    out = generate_queries([shop], run_id="r", settings=QueryGenSettings(num_queries=n, validate_interface=False, atomic_per_app=0))
+    out = generate_queries([BundledWebKind(shop)], run_id="r", settings=QueryGenSettings(num_queries=n, validate_interface=False, atomic_per_app=0))
     return out.rows["queries"]
 
 
@@ -77,7 +78,7 @@ def test_model_synthesises_and_refines_with_the_slot_constraint(shop: BundledApp
 
 def test_stage_rows_name_model_and_template_versions(shop: BundledApp, gateway: Gateway) -> None:
     settings = QueryGenSettings(num_queries=2, instructions="model", validate_interface=False, atomic_per_app=0)
-    out = generate_queries([shop], run_id="r", settings=settings, gateway=gateway)
+    out = generate_queries([BundledWebKind(shop)], run_id="r", settings=settings, gateway=gateway)
     rows = out.rows["queries"]
     assert len(rows) == 2
     assert out.models["instruction_model"] == SMOLLM2_ID
@@ -92,7 +93,7 @@ def test_stage_rows_name_model_and_template_versions(shop: BundledApp, gateway: 
 
 def test_model_instructions_without_a_gateway_are_a_config_error(shop: BundledApp) -> None:
     with pytest.raises(ValueError, match="query_gen.instructions"):
-        generate_queries([shop], run_id="r", settings=QueryGenSettings(instructions="model", validate_interface=False, atomic_per_app=0))
+        generate_queries([BundledWebKind(shop)], run_id="r", settings=QueryGenSettings(instructions="model", validate_interface=False, atomic_per_app=0))
 
 
 # --------------------------------------------------------------------------- validation
@@ -155,7 +156,7 @@ def test_a_page_entered_by_a_form_is_reached_by_driving_it(env: BrowserEnv) -> N
     """Search results exist only after the search is typed and sent: the crawl does that, then
     looks for the note's link. A note the app no longer has is dropped at the results page."""
     notes = load_app("notes")
-    out = generate_queries([notes], run_id="r", settings=QueryGenSettings(num_queries=30, validate_interface=False, atomic_per_app=0))
+    out = generate_queries([BundledWebKind(notes)], run_id="r", settings=QueryGenSettings(num_queries=30, validate_interface=False, atomic_per_app=0))
     by_search = next(q for q in out.rows["queries"] if q.path[:3] == ["notes", "search_results", "note"])
     gone = with_slot(by_search, note="Tax return 2024")
     with AppServer(notes) as srv:
@@ -194,7 +195,7 @@ def test_an_app_that_loses_a_dish_and_a_page_drops_exactly_the_queries_that_used
 
 @pytest.mark.browser
 def test_the_stage_validates_deduplicates_and_counts_coverage(shop: BundledApp, chromium: Path) -> None:
-    out = generate_queries([shop], run_id="r", settings=QueryGenSettings(num_queries=40), chromium=chromium)
+    out = generate_queries([BundledWebKind(shop)], run_id="r", settings=QueryGenSettings(num_queries=40), chromium=chromium)
     rows = out.rows["queries"]
     assert len({normalise(q.instruction) for q in rows}) == len(rows) > 20
     assert not any("interface validation" in k for k in out.dropped)
@@ -207,7 +208,7 @@ def test_the_stage_mixes_page_graph_atomic_and_deep_search_queries(shop: Bundled
     writer = load_app("writer")
     settings = QueryGenSettings(apps=["shop", "writer"], num_queries=3, atomic_per_app=3,
                                 deep_search_apps=["writer"], deep_search_queries=2)
-    out = generate_queries([shop, writer], run_id="r", settings=settings, chromium=chromium, viewport="desktop")
+    out = generate_queries([BundledWebKind(shop), BundledWebKind(writer)], run_id="r", settings=settings, chromium=chromium, viewport="desktop")
     rows = out.rows["queries"]
     sources = {(q.app, q.source) for q in rows}
     assert sources == {("shop", "page_graph"), ("shop", "atomic"), ("writer", "page_graph"), ("writer", "atomic"),

@@ -176,3 +176,28 @@ class AppServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve one bundled app in the foreground (`python -m trajforge.envs.apps.server notes --port 8000`): for a
+    person to look at, and as the command of an app directory that expresses a bundled app."""
+    import argparse
+
+    from trajforge.envs.apps.registry import load_app
+
+    parser = argparse.ArgumentParser(prog="python -m trajforge.envs.apps.server", description=main.__doc__)
+    parser.add_argument("app", help="a bundled app's name")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    server = AppServer(load_app(args.app), args.port).start()
+    print(f"{args.app} at {server.base_url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

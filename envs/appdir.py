@@ -1,0 +1,538 @@
+"""A user's own web app, from an app directory: its page graph, where it runs, how it resets, and its checks as data.
+
+The directory holds `spec.yaml`: the page graph in the format of the bundled apps
+(`envs.spec`: pages, transitions by accessible role and name, slots, goals), plus
+
+    serve:                       # where the app is: base_url, or a command that starts it
+      command: "npm start -- --port {port}"      # {port}: a free port; {python}: this interpreter
+      url: "http://127.0.0.1:{port}"
+      ready_timeout_s: 60
+    reset: context               # or {url: /api/reset, method: POST}, or {command: ./reset.sh}
+    state:                       # requests made at the end of every episode, with its cookies
+      notes: {path: /api/notes}
+    checks:                      # the goals' checkers, as predicates on the episode's final state
+      note_pinned:
+        http: notes
+        at: "notes[?title=='{note}'] | [0].pinned"
+        equals: true
+
+The app's code is not changed for us: an episode's final state is read from outside,
+at the end of the episode, and kept in the episode row, so a critic or a rerun judges
+the same state again without the app. It holds the final URL and title, the final
+accessibility tree, each `state` request's answer, and the elements the checks' CSS
+selectors match. A check is one predicate:
+
+- `url`: a regular expression the final URL contains a match of;
+- `element`: an element of the final accessibility tree with this role, name (or
+  `name_contains`), value and states (checked, selected, expanded...);
+- `dom`: an element matching a CSS `selector` whose text contains, or whose value,
+  checked or selected state equals, what is given;
+- `http`: a `state` request's JSON answer at a JMESPath expression `at`, which `equals`
+  a value, `contains` a text, or `exists`;
+- `all` and `any`: lists of predicates; `not`: one.
+
+`{slot}` placeholders in a check take the goal's checker parameters (the query's slot
+values); a slot value is escaped where the check is a regular expression or a JMESPath.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import httpx
+import jmespath
+import yaml
+from jmespath.exceptions import JMESPathError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+
+from trajforge.envs import secrets
+from trajforge.envs.axtree import AXNode, parse
+from trajforge.envs.browser import BrowserEnv, EnvFault, Observation
+from trajforge.envs.spec import AppSpec, SpecError, placeholders, spec_problems
+
+SPEC_FILE = "spec.yaml"
+APP_DIR_KEYS = ("serve", "reset", "state", "checks")
+"""The keys of an app directory's spec.yaml beyond the page graph's."""
+MAX_DOM_MATCHES = 50
+"""Elements a `dom` selector keeps in the final state (a list page may match hundreds)."""
+MAX_TEXT = 2000
+
+
+class AppDirError(RuntimeError):
+    """The user's app cannot be used as configured: it does not start, or does not answer at its URL."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Serve(_Strict):
+    """Where the app is: a running app's `base_url`, or a `command` that starts it and the `url` it serves."""
+
+    base_url: str | None = None
+    command: str | None = None
+    url: str | None = Field(default=None, description="The started app's URL; may hold {port}.")
+    ready_timeout_s: float = Field(default=60.0, gt=0)
+    cwd: str | None = Field(default=None, description="The command's folder, relative to the app directory.")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Serve:
+        if (self.base_url is None) == (self.command is None):
+            raise ValueError("give either base_url (an app that is running) or command and url (one to start)")
+        if self.command is not None and self.url is None:
+            raise ValueError("command needs url: where the started app answers, e.g. http://127.0.0.1:{port}")
+        return self
+
+
+class ResetBy(_Strict):
+    """How the app forgets the last episode, beyond the fresh browser context every episode gets."""
+
+    url: str | None = Field(default=None, description="A path or URL to call, with the new context's cookies.")
+    method: Literal["GET", "POST", "PUT", "DELETE"] = "POST"
+    command: str | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ResetBy:
+        if (self.url is None) == (self.command is None):
+            raise ValueError("give either url or command (or write `reset: context` for a fresh browser context only)")
+        return self
+
+
+class StateRequest(_Strict):
+    """A request made at the end of every episode, whose JSON answer the `http` checks read."""
+
+    path: str
+    method: Literal["GET", "POST"] = "GET"
+
+
+class UrlCheck(_Strict):
+    url: str = Field(description="A regular expression the final URL contains a match of.")
+
+
+class ElementQuery(_Strict):
+    role: str | None = None
+    name: str | None = None
+    name_contains: str | None = None
+    value: str | None = None
+    states: list[str] = Field(default_factory=list, description='e.g. ["checked"], ["selected"], ["expanded"]')
+
+
+class ElementCheck(_Strict):
+    element: ElementQuery
+
+
+class DomQuery(_Strict):
+    selector: str = Field(description="A CSS selector (no {slot}: the DOM is read before a check's slots are known).")
+    text_contains: str | None = None
+    value: str | None = None
+    checked: bool | None = None
+    selected: bool | None = None
+
+
+class DomCheck(_Strict):
+    dom: DomQuery
+
+
+class HttpCheck(_Strict):
+    http: str = Field(description="The name of a `state` request.")
+    at: str = Field(default="@", description="A JMESPath expression into its JSON answer.")
+    equals: Any = None
+    contains: str | None = None
+    exists: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_test(self) -> HttpCheck:
+        tests = [t for t in ("equals", "contains", "exists") if getattr(self, t) is not None]
+        if len(tests) != 1:
+            raise ValueError("give exactly one of equals, contains, exists")
+        try:
+            jmespath.compile(self.at)
+        except JMESPathError as exc:
+            raise ValueError(f"at: not a JMESPath expression ({exc})") from None
+        return self
+
+
+class AllOf(_Strict):
+    all: list[Check] = Field(min_length=1)
+
+
+class AnyOf(_Strict):
+    any: list[Check] = Field(min_length=1)
+
+
+class NotOf(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    not_: Check = Field(alias="not")
+
+
+_KINDS = ("url", "element", "dom", "http", "all", "any", "not")
+
+
+def _kind(raw: Any) -> str | None:
+    """Which predicate a mapping is: the first of its keys that names one."""
+    if isinstance(raw, dict):
+        return next((k for k in _KINDS if k in raw), None)
+    return next((k for k, v in zip(_KINDS, (UrlCheck, ElementCheck, DomCheck, HttpCheck, AllOf, AnyOf, NotOf),
+                                   strict=True) if isinstance(raw, v)), None)
+
+
+Check = Annotated[
+    Union[Annotated[UrlCheck, Tag("url")], Annotated[ElementCheck, Tag("element")], Annotated[DomCheck, Tag("dom")],
+          Annotated[HttpCheck, Tag("http")], Annotated[AllOf, Tag("all")], Annotated[AnyOf, Tag("any")],
+          Annotated[NotOf, Tag("not")]],
+    Discriminator(_kind, custom_error_type="check", custom_error_message="a check is one of: " + ", ".join(_KINDS)),
+]
+
+
+for _model in (AllOf, AnyOf, NotOf):
+    _model.model_rebuild()
+
+
+class AppDirFile(_Strict):
+    """What spec.yaml adds to the page graph."""
+
+    serve: Serve
+    reset: Literal["context"] | ResetBy = "context"
+    state: dict[str, StateRequest] = Field(default_factory=dict)
+    checks: dict[str, Check] = Field(min_length=1)
+
+
+def _walk(check: Check) -> Iterator[Check]:
+    yield check
+    for child in (check.all if isinstance(check, AllOf) else check.any if isinstance(check, AnyOf)
+                  else [check.not_] if isinstance(check, NotOf) else []):
+        yield from _walk(child)
+
+
+def _templates(check: Check) -> list[str]:
+    """The texts of a check that may hold {slot}."""
+    out: list[str] = []
+    for c in _walk(check):
+        if isinstance(c, UrlCheck):
+            out.append(c.url)
+        elif isinstance(c, ElementCheck):
+            out += [v for v in (c.element.role, c.element.name, c.element.name_contains, c.element.value) if v]
+        elif isinstance(c, DomCheck):
+            out += [v for v in (c.dom.text_contains, c.dom.value) if v]
+        elif isinstance(c, HttpCheck):
+            out += [c.at, *([c.contains] if c.contains else []), *([c.equals] if isinstance(c.equals, str) else [])]
+    return out
+
+
+@dataclass(frozen=True)
+class AppDir:
+    """A user's app, read from its directory."""
+
+    path: Path
+    spec: AppSpec
+    serve: Serve
+    reset: Literal["context"] | ResetBy
+    state: dict[str, StateRequest]
+    checks: dict[str, Check]
+
+    @property
+    def name(self) -> str:
+        return self.spec.app
+
+    def selectors(self) -> list[str]:
+        """Every CSS selector the checks read, in a stable order."""
+        return sorted({c.dom.selector for check in self.checks.values() for c in _walk(check)
+                       if isinstance(c, DomCheck)})
+
+    def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+        """A goal's check on an episode's final state: (success, what was found)."""
+        if checker not in self.checks:
+            raise ValueError(f"app {self.name!r} has no check {checker!r}; known: {', '.join(sorted(self.checks))}")
+        return evaluate(self.checks[checker], params, state)
+
+
+def load_app_dir(path: Path) -> AppDir:
+    """Read and validate an app directory; every problem is reported with the file and field."""
+    file = Path(path) / SPEC_FILE
+    if not Path(path).is_dir():
+        raise SpecError(f"{path}: no such app directory")
+    try:
+        raw = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SpecError(f"{file}: cannot read app spec: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{file}: an app spec is a mapping, got {type(raw).__name__}")
+    extra = {k: raw.pop(k) for k in APP_DIR_KEYS if k in raw}
+    problems: list[str] = []
+    spec = extras = None
+    for model, data in ((AppSpec, raw), (AppDirFile, extra)):
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as exc:
+            problems += [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+            continue
+        if isinstance(parsed, AppSpec):
+            spec = parsed
+        else:
+            extras = parsed
+    if spec is not None:
+        problems += spec_problems(spec)
+    if spec is not None and extras is not None:
+        problems += _cross_problems(spec, extras)
+    if problems:
+        raise SpecError(f"{file}: invalid app spec:\n  " + "\n  ".join(problems))
+    assert spec is not None and extras is not None
+    return AppDir(Path(path).resolve(), spec, extras.serve, extras.reset, extras.state, extras.checks)
+
+
+def _cross_problems(spec: AppSpec, extras: AppDirFile) -> list[str]:
+    """Names that must agree between the page graph and the checks."""
+    problems = []
+    for page_id, page in spec.pages.items():
+        if page.goal is None:
+            continue
+        if page.goal.checker not in extras.checks:
+            problems.append(f"pages.{page_id}.goal.checker: no check {page.goal.checker!r} in checks; "
+                            f"known: {', '.join(sorted(extras.checks))}")
+            continue
+        for template in _templates(extras.checks[page.goal.checker]):
+            for slot in placeholders(template) - set(page.goal.params):
+                problems.append(f"checks.{page.goal.checker}: {{{slot}}} is not one of pages.{page_id}.goal.params "
+                                f"({', '.join(sorted(page.goal.params)) or 'none'})")
+    for name, check in extras.checks.items():
+        for c in _walk(check):
+            if isinstance(c, HttpCheck) and c.http not in extras.state:
+                problems.append(f"checks.{name}: http {c.http!r} is not a state request; known: "
+                                f"{', '.join(sorted(extras.state)) or 'none (add one under state:)'}")
+            if isinstance(c, DomCheck) and placeholders(c.dom.selector):
+                problems.append(f"checks.{name}: dom.selector {c.dom.selector!r} holds a {{slot}}; the DOM is read "
+                                "before the check knows its slots: match the slot with text_contains or value")
+    return problems
+
+
+# ---------------------------------------------------------------- checks on a final state
+
+
+def _fill(template: str, params: dict[str, str], escape: Any = None) -> str:
+    values = {k: escape(v) if escape else v for k, v in params.items()}
+    return template.format_map(values)
+
+
+def _jmespath_literal(value: str) -> str:
+    """A slot value inside a JMESPath raw string literal ('...')."""
+    return value.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def _element(query: ElementQuery, params: dict[str, str], nodes: list[AXNode]) -> tuple[bool, str]:
+    role, name, part, value = (_fill(v, params) if v else None
+                               for v in (query.role, query.name, query.name_contains, query.value))
+    wanted = " ".join(filter(None, [role or "element", f"named {name!r}" if name else None,
+                                    f"whose name contains {part!r}" if part else None,
+                                    f"with value {value!r}" if value else None,
+                                    " ".join(query.states) if query.states else None]))
+    for node in nodes:
+        if ((role is None or node.role == role) and (name is None or node.name == name)
+                and (part is None or part in node.name) and (value is None or node.value == value)
+                and all(s in node.states for s in query.states)):
+            return True, f"found {wanted}"
+    return False, f"no {wanted} in the final accessibility tree"
+
+
+def _dom(query: DomQuery, params: dict[str, str], matches: list[dict[str, Any]]) -> tuple[bool, str]:
+    text = _fill(query.text_contains, params) if query.text_contains else None
+    value = _fill(query.value, params) if query.value else None
+    for m in matches:
+        if ((text is None or text in (m.get("text") or "")) and (value is None or m.get("value") == value)
+                and (query.checked is None or m.get("checked") is query.checked)
+                and (query.selected is None or m.get("selected") is query.selected)):
+            return True, f"{query.selector!r} matches an element as asked"
+    return False, f"of {len(matches)} elements matching {query.selector!r}, none as asked"
+
+
+def _http(check: HttpCheck, params: dict[str, str], answers: dict[str, Any]) -> tuple[bool, str]:
+    answer = answers.get(check.http)
+    if answer is None:
+        return False, f"no answer to state request {check.http!r} in the final state"
+    if "error" in answer:
+        return False, f"state request {check.http!r}: {answer['error']}"
+    at = _fill(check.at, params, _jmespath_literal)
+    found = jmespath.search(at, answer["json"])
+    shown = json.dumps(found)[:120]
+    if check.exists is not None:
+        ok = (found not in (None, [], {})) == check.exists
+        return ok, f"{check.http} at {at!r} is {shown}"
+    if check.contains is not None:
+        text = _fill(check.contains, params)
+        items = found if isinstance(found, list) else [found]
+        ok = any(text in (i if isinstance(i, str) else json.dumps(i)) for i in items if i is not None)
+        return ok, f"{check.http} at {at!r} is {shown}, {'' if ok else 'not '}containing {text!r}"
+    expected = _fill(check.equals, params) if isinstance(check.equals, str) else check.equals
+    return found == expected, f"{check.http} at {at!r} is {shown}, expected {json.dumps(expected)[:120]}"
+
+
+def evaluate(check: Check, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+    """A predicate on a final state (`capture`'s), with the goal's parameters for its {slot}s: (holds, why)."""
+    if isinstance(check, UrlCheck):
+        pattern = _fill(check.url, params, re.escape)
+        url = state.get("url", "")
+        ok = re.search(pattern, url) is not None
+        return ok, f"final URL {url!r} {'matches' if ok else 'does not match'} {pattern!r}"
+    if isinstance(check, ElementCheck):
+        try:
+            nodes = parse(state.get("ax_tree", ""))
+        except ValueError as exc:
+            return False, f"the final accessibility tree does not parse: {exc}"
+        return _element(check.element, params, nodes)
+    if isinstance(check, DomCheck):
+        return _dom(check.dom, params, state.get("dom", {}).get(check.dom.selector, []))
+    if isinstance(check, HttpCheck):
+        return _http(check, params, state.get("http", {}))
+    if isinstance(check, NotOf):
+        ok, why = evaluate(check.not_, params, state)
+        return not ok, f"not ({why})"
+    parts = [evaluate(c, params, state) for c in (check.all if isinstance(check, AllOf) else check.any)]
+    ok = all(p[0] for p in parts) if isinstance(check, AllOf) else any(p[0] for p in parts)
+    return ok, "; ".join(why for _, why in parts)
+
+
+# ---------------------------------------------------------------- the live app
+
+
+_DOM_JS = """([selectors, max, maxText]) => Object.fromEntries(selectors.map(s => [s,
+  Array.from(document.querySelectorAll(s)).slice(0, max).map(e => ({
+    text: (e.innerText ?? e.textContent ?? '').slice(0, maxText),
+    value: e.type === 'password' ? null : (e.value ?? null),
+    checked: e.checked ?? null, selected: e.selected ?? null}))]))"""
+"""The elements each selector matches, as the checks read them (a password field's value is never read)."""
+
+
+def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str, Any]:
+    """The episode's final state: URL, title, accessibility tree (the last observation's), the state requests'
+    answers and the selectors' elements. A request that fails is recorded as its error; the check says so."""
+    answers: dict[str, Any] = {}
+    for name, request in app.state.items():
+        status, body = env.request(request.method, request.path)
+        if not 200 <= status < 300:
+            answers[name] = {"error": f"{request.method} {request.path} answered {status}"}
+            continue
+        try:
+            answers[name] = {"json": json.loads(secrets.mask(body))}
+        except json.JSONDecodeError as exc:
+            answers[name] = {"error": f"{request.method} {request.path} answered no JSON ({exc})"}
+    selectors = app.selectors()
+    dom = env.evaluate(_DOM_JS, [selectors, MAX_DOM_MATCHES, MAX_TEXT]) if selectors else {}
+    return {"url": env.url, "title": last.title if last else "", "ax_tree": last.ax_tree if last else "",
+            "http": answers, "dom": json.loads(secrets.mask(json.dumps(dom)))}
+
+
+def _run(command: str, cwd: Path, what: str, timeout_s: float) -> None:
+    try:
+        done = subprocess.run(shlex.split(command), cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AppDirError(f"{what} `{command}` failed: {exc}") from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise AppDirError(f"{what} `{command}` exited {done.returncode}: {' | '.join(tail)}")
+
+
+class AppDirEnv:
+    """A BrowserEnv on a user's app: the configured reset, and the final state read from outside."""
+
+    def __init__(self, env: BrowserEnv, app: AppDir) -> None:
+        self.env = env
+        self.app = app
+        self._last: Observation | None = None
+
+    def reset(self, session_id: str, start_url: str | None = None) -> None:
+        self.env.reset(session_id, start_url, app_protocol=False)
+        reset = self.app.reset
+        if isinstance(reset, ResetBy):
+            if reset.url is not None:
+                status, _ = self.env.request(reset.method, reset.url)
+                if not 200 <= status < 400:
+                    raise EnvFault(f"reset {reset.method} {reset.url} answered {status}", "app_down")
+            else:
+                assert reset.command is not None
+                _run(reset.command, self.app.path, "reset", self.env.timeout_s)
+            self.env.reset(session_id, start_url, app_protocol=False)  # the start page as the reset left the app
+        self._last = None
+
+    def observe(self) -> Observation:
+        self._last = self.env.observe()
+        return self._last
+
+    def app_state(self) -> dict[str, Any]:
+        return capture(self.env, self.app, self._last)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def answers(url: str, timeout_s: float = 5.0) -> str | None:
+    """Why `url` does not answer (None when it does, with any status below 500)."""
+    try:
+        status = httpx.get(url, timeout=timeout_s, follow_redirects=True).status_code
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if status < 500 else f"it answered {status}"
+
+
+@contextmanager
+def running(app: AppDir) -> Iterator[str]:
+    """The app's base URL while the block runs: its `base_url` once it answers, or its command's, started here
+    and stopped after (the whole process group)."""
+    serve = app.serve
+    if serve.base_url is not None:
+        if (why := answers(serve.base_url)) is not None:
+            raise AppDirError(f"app {app.name!r} does not answer at {serve.base_url} ({why}); start it, or give "
+                              f"serve.command in {app.path / SPEC_FILE}")
+        yield serve.base_url.rstrip("/")
+        return
+    assert serve.command is not None and serve.url is not None
+    port = _free_port()
+    fill = {"port": str(port), "python": sys.executable}
+    url = serve.url.format_map(fill).rstrip("/")
+    cwd = app.path / serve.cwd if serve.cwd else app.path
+    argv = [part.format_map(fill) for part in shlex.split(serve.command)]
+    # The app's output goes to a file, not a pipe: a chatty server would fill a pipe nobody reads and stall.
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the child writes to it for its whole life
+    process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + serve.ready_timeout_s
+        why = answers(url, 1.0)
+        while why is not None:
+            if process.poll() is not None:
+                log.seek(0)
+                tail = log.read().strip().splitlines()[-3:]
+                raise AppDirError(f"app {app.name!r}: `{' '.join(argv)}` exited {process.returncode} before "
+                                  f"answering at {url}: {' | '.join(tail)}")
+            if time.monotonic() > deadline:
+                raise AppDirError(f"app {app.name!r} does not answer at {url} within serve.ready_timeout_s="
+                                  f"{serve.ready_timeout_s:g} s of `{' '.join(argv)}` ({why})")
+            time.sleep(0.2)
+            why = answers(url, 1.0)
+        yield url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 15)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)
+                process.wait()
+        log.close()

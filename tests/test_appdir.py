@@ -1,0 +1,175 @@
+"""A user's own app from an app directory (envs.appdir): the spec's named errors, the checks as predicates on a
+final state, and the bundled notes app expressed as `examples/apps/jotter` giving the same queries and verdicts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import cast
+
+import pytest
+import yaml
+from pydantic import TypeAdapter
+
+from trajforge.data.blobs import BlobStore
+from trajforge.envs.appdir import AppDirError, Check, evaluate, load_app_dir, running
+from trajforge.envs.apps import load_app
+from trajforge.envs.axtree import AXNode, render
+from trajforge.envs.kinds import BundledWebKind, kind_for, use_app_dirs
+from trajforge.envs.spec import SpecError
+from trajforge.query_gen.stage import generate_queries
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.config import QueryGenSettings, RolloutSettings
+from trajforge.schemas.records import Episode, Query
+
+JOTTER = Path(__file__).parents[1] / "examples" / "apps" / "jotter"
+
+
+def _app_dir(tmp_path: Path, **changes: object) -> Path:
+    """A copy of the jotter directory with top-level keys of its spec.yaml replaced."""
+    raw = yaml.safe_load((JOTTER / "spec.yaml").read_text())
+    raw.update(changes)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return tmp_path
+
+
+def _check(raw: object) -> Check:
+    """A check as spec.yaml would hold it."""
+    return TypeAdapter(Check).validate_python(raw)
+
+
+STATE = {
+    "url": "http://127.0.0.1:9/note?id=3&notice=Pinned",
+    "title": "Meeting notes 3 Dec",
+    "ax_tree": render((AXNode(0, "RootWebArea", "Jotter"), AXNode(1, "button", "Unpin"),
+                       AXNode(1, "checkbox", "Work", states=("checked",)), AXNode(1, "textbox", "Title",
+                                                                                 value="Rock 'n' roll"))),
+    "http": {"session": {"json": {"notes": [{"title": "Rock 'n' roll", "pinned": True, "tags": ["Work"]},
+                                            {"title": "Garden plans", "pinned": False, "tags": []}]}},
+             "broken": {"error": "GET /api/broken answered 500"}},
+    "dom": {"h1": [{"text": "Rock 'n' roll", "value": None, "checked": None, "selected": None}]},
+}
+
+
+@pytest.mark.parametrize(("raw", "params", "holds"), [
+    ({"url": r"/note\?id="}, {}, True),
+    ({"url": "notice={n}"}, {"n": "Pinned"}, True),
+    ({"url": "notice={n}"}, {"n": "Pin.ed"}, False),  # a slot value is matched literally, not as a pattern
+    ({"element": {"role": "button", "name": "Unpin"}}, {}, True),
+    ({"element": {"role": "checkbox", "name": "{tag}", "states": ["checked"]}}, {"tag": "Work"}, True),
+    ({"element": {"role": "checkbox", "name": "Work", "states": ["disabled"]}}, {}, False),
+    ({"element": {"role": "textbox", "value": "{title}"}}, {"title": "Rock 'n' roll"}, True),
+    ({"dom": {"selector": "h1", "text_contains": "{title}"}}, {"title": "Rock 'n' roll"}, True),
+    ({"dom": {"selector": "h1", "text_contains": "Garden"}}, {}, False),
+    # A slot value with a quote inside a JMESPath literal is escaped, not an injection or a parse error.
+    ({"http": "session", "at": "notes[?title=='{title}'] | [0].pinned", "equals": True}, {"title": "Rock 'n' roll"},
+     True),
+    ({"http": "session", "at": "notes[?title=='{title}'] | [0].pinned", "equals": True}, {"title": "Garden plans"},
+     False),
+    ({"http": "session", "at": "notes[].tags[]", "contains": "{tag}"}, {"tag": "Work"}, True),
+    ({"http": "session", "at": "notes[?title=='Nope']", "exists": True}, {}, False),
+    ({"http": "broken", "at": "@", "exists": True}, {}, False),
+    ({"all": [{"url": "note"}, {"not": {"element": {"name": "Pin"}}}]}, {}, True),
+    ({"any": [{"url": "nowhere"}, {"element": {"name": "Unpin"}}]}, {}, True),
+    ({"all": [{"url": "note"}, {"url": "nowhere"}]}, {}, False),
+])
+def test_a_check_holds_on_a_final_state_as_its_predicate_says(raw: object, params: dict[str, str],
+                                                               holds: bool) -> None:
+    ok, reason = evaluate(_check(raw), params, STATE)
+    assert ok is holds, reason
+    assert reason
+
+
+def test_a_failed_state_request_is_the_checks_reason() -> None:
+    ok, reason = evaluate(_check({"http": "broken", "at": "@", "exists": True}), {}, STATE)
+    assert not ok and "answered 500" in reason
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"serve": {"url": "http://127.0.0.1:1"}}, "serve: Value error, give either base_url"),
+    ({"checks": {"note_pinned": {"http": "session", "at": "x", "equals": True},
+                 "note_tagged": {"http": "session", "at": "x", "contains": "t"}}},
+     "pages.note_saved.goal.checker: no check 'note_created'"),
+    ({"checks": {"note_created": {"url": "{nope}"}, "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
+     "checks.note_created: {nope} is not one of pages.note_saved.goal.params"),
+    ({"checks": {"note_created": {"http": "api", "at": "@", "exists": True}, "note_pinned": {"url": "x"},
+                 "note_tagged": {"url": "x"}}}, "checks.note_created: http 'api' is not a state request"),
+    ({"checks": {"note_created": {"dom": {"selector": "#n-{title}"}}, "note_pinned": {"url": "x"},
+                 "note_tagged": {"url": "x"}}}, "dom.selector '#n-{title}' holds a {slot}"),
+    ({"checks": {"note_created": {"http": "session", "at": "notes[", "exists": True}, "note_pinned": {"url": "x"},
+                 "note_tagged": {"url": "x"}}}, "not a JMESPath expression"),
+    ({"checks": {"note_created": {"whatever": 1}, "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
+     "checks.note_created: a check is one of: url, element, dom, http, all, any, not"),
+    ({"reset": "sometimes"}, "reset"),
+])
+def test_a_spec_mistake_is_named_with_the_file_and_field(tmp_path: Path, changes: dict[str, object],
+                                                         named: str) -> None:
+    with pytest.raises(SpecError) as err:
+        load_app_dir(_app_dir(tmp_path, **changes))
+    assert str(tmp_path / "spec.yaml") in str(err.value)
+    assert named in str(err.value), str(err.value)
+
+
+def test_an_app_dir_may_not_take_a_bundled_apps_name(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="'notes' is the name of the bundled app 'notes'"):
+        use_app_dirs([_app_dir(tmp_path, app="notes")])
+
+
+def test_an_app_that_does_not_answer_or_exits_is_named(tmp_path: Path) -> None:
+    with pytest.raises(AppDirError, match=r"does not answer at http://127.0.0.1:9 .*start it, or give serve.command"):
+        with running(load_app_dir(_app_dir(tmp_path, serve={"base_url": "http://127.0.0.1:9"}))):
+            pass
+    crash = {"command": f"{sys.executable} -c \"import sys; print('no database'); sys.exit(3)\"",
+             "url": "http://127.0.0.1:{port}"}
+    with pytest.raises(AppDirError, match=r"exited 3 before answering at http://127.0.0.1:\d+: no database"):
+        with running(load_app_dir(_app_dir(tmp_path, serve=crash))):
+            pass
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(900)
+def test_the_notes_app_as_an_app_directory_gives_the_bundled_apps_queries_and_verdicts(chromium: Path,
+                                                                                       tmp_path: Path) -> None:
+    """Interface validation drives the user's app through its own server process, the replay reaches every goal,
+    and the declarative checks agree with the bundled app's Python checkers, success for success."""
+    shutil.copytree(JOTTER, tmp_path / "jotter")
+    [jotter] = use_app_dirs([tmp_path / "jotter"])
+    assert kind_for("jotter") is jotter
+    settings = QueryGenSettings(num_queries=8, atomic_per_app=1)
+    mine = generate_queries([jotter], run_id="r", settings=settings, chromium=chromium)
+    bundled = generate_queries([BundledWebKind(load_app("notes"))], run_id="r", settings=settings, chromium=chromium)
+
+    def task(q: Query) -> tuple[object, ...]:
+        return q.instruction, tuple(q.path), q.slots_json, q.checker, q.checker_params_json
+
+    queries = cast(list[Query], mine.rows["queries"])
+    assert len(queries) == 8 and not mine.dropped
+    page_graph = [q for q in cast(list[Query], bundled.rows["queries"]) if q.source == "page_graph"]
+    assert sorted(map(task, queries)) == sorted(map(task, page_graph))  # the bundled app adds atomic queries
+    assert mine.stats["atomic: not made: jotter: a user's app has no interaction recorder to check them"] == 1
+
+    replay = RolloutSettings(policy="replay", contexts=2, chromium=chromium)
+    episodes = cast(list[Episode], rollout([q.model_dump() for q in queries], run_id="r", settings=replay,
+                                           blobs=BlobStore(tmp_path / "blobs")).rows["episodes"])
+    notes = load_app("notes")
+    by_id = {q.query_id: q for q in queries}
+    assert len(episodes) == len(queries)
+    for episode in episodes:
+        q, state = by_id[episode.query_id], json.loads(episode.final_state_json)
+        params = json.loads(q.checker_params_json)
+        ok, reason = jotter.check(q.checker, params, state)
+        assert episode.status == "terminated" and ok, reason
+        assert notes.check(q.checker, params, state["http"]["session"]["json"])[0]  # the same state, same verdict
+        assert state["url"] == episode.final_url and "RootWebArea" in state["ax_tree"]
+        # Another query's goal on this state: the checks tell the states apart.
+        other = next(o for o in queries if o.checker != q.checker)
+        assert jotter.check(other.checker, json.loads(other.checker_params_json), state)[0] is notes.check(
+            other.checker, json.loads(other.checker_params_json), state["http"]["session"]["json"])[0]
+    pinned = next(e for e in episodes if by_id[e.query_id].checker == "note_pinned")
+    note = json.loads(by_id[pinned.query_id].checker_params_json)["note"]
+    ok, reason = evaluate(_check({"all": [{"element": {"role": "button", "name": "Unpin"}},
+                                          {"url": "/note"}]}), {"note": note}, json.loads(pinned.final_state_json))
+    assert ok, reason
+
