@@ -14,7 +14,9 @@ import json
 import os
 import re
 import sys
+import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from importlib.metadata import version
@@ -75,7 +77,9 @@ app.add_typer(datasets, name="datasets")
 evaluate = typer.Typer(help="Measure the pipeline's judges against ground truth.", no_args_is_help=True)
 app.add_typer(evaluate, name="eval")
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
+apps_app = typer.Typer(help="Your own web app: check an app directory against the live app.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+app.add_typer(apps_app, name="apps")
 # Snapshot ids are copied from this output into --input: never truncate them, even when
 # the output is not a terminal (rich would assume 80 columns).
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -178,6 +182,9 @@ def run(
     ] = None,
     config: ConfigOpt = None,
     fresh: Annotated[bool, typer.Option(help="Start a new run even if an unfinished one can be resumed.")] = False,
+    app_dir: Annotated[list[Path] | None, typer.Option(
+        "--app-dir", help="Your own app's directory (repeatable): the run makes queries for these apps only, "
+        "instead of the configured ones.")] = None,
 ) -> None:
     """Run the nightly pipeline, or rerun a single stage on a chosen input version."""
     from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity
@@ -185,6 +192,10 @@ def run(
 
     if stage != "nightly" and stage not in STAGES:
         raise _fail(f"unknown stage {stage!r}; choose nightly or one of: {', '.join(STAGES)}")
+    if app_dir:
+        # As settings in the environment: the flows and every worker process read the config again, and see them.
+        os.environ[f"{ENV_PREFIX}QUERY_GEN__APP_DIRS"] = json.dumps([str(p.resolve()) for p in app_dir])
+        os.environ[f"{ENV_PREFIX}QUERY_GEN__APPS"] = os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = "[]"
     settings, ws = _open(config, models=True)
     cfg = str(config) if config else None
     input_snapshot: int | None = None
@@ -579,6 +590,59 @@ def deploy(
     console.print(f"deployed nightly/nightly to work pool {pool!r} at {_shown_url(url)}, on cron "
                   f"{settings.schedule.cron!r} ({settings.schedule.timezone}); runs need a worker: "
                   f"prefect worker start --pool {pool}")
+
+
+@apps_app.command("check")
+def apps_check(
+    directory: Annotated[Path, typer.Argument(help="The app directory (its spec.yaml).")],
+    queries: Annotated[int, typer.Option(help="Page-graph tasks to sample, validate and replay.")] = 20,
+    config: ConfigOpt = None,
+) -> None:
+    """Check an app directory against the live app: its spec, that the app answers, that each sampled task's
+    pages and elements are there, and that its goal's check holds after its reference path is replayed."""
+    from trajforge.data.blobs import BlobStore
+    from trajforge.envs.appdir import AppDirError
+    from trajforge.envs.kinds import use_app_dirs
+    from trajforge.query_gen.stage import generate_queries
+    from trajforge.rollout.stage import rollout
+
+    try:
+        settings = load_settings(config)
+        [kind] = use_app_dirs([directory])
+    except (ConfigError, SpecError) as exc:
+        raise _fail(str(exc)) from None
+    chromium = settings.rollout.chromium
+    try:
+        made = generate_queries([kind], run_id="apps-check", settings=settings.query_gen.model_copy(update={
+            "num_queries": queries, "atomic_per_app": 0, "validate_interface": True}), chromium=chromium)
+        found = made.rows["queries"]
+        with tempfile.TemporaryDirectory() as blobs:
+            replay = settings.rollout.model_copy(update={"policy": "replay", "samples_per_query": 1})
+            episodes = rollout(found, run_id="apps-check", settings=replay, blobs=BlobStore(Path(blobs)))
+    except AppDirError as exc:
+        raise _crash(str(exc)) from None
+    problems = Counter({reason: n for reason, n in made.dropped.items()})
+    by_id = {q.query_id: q for q in found}  # type: ignore[union-attr]
+    held = 0
+    for episode in episodes.rows["episodes"]:
+        q = by_id[episode.query_id]  # type: ignore[union-attr]
+        ok, reason = kind.check(q.checker, json.loads(q.checker_params_json), json.loads(episode.final_state_json))
+        if episode.status != "terminated":
+            problems[f"{' -> '.join(q.path)}: the reference path did not finish ({episode.status}: "
+                     f"{episode.fault or 'no fault'})"] += 1
+        elif not ok:
+            problems[f"{' -> '.join(q.path)}: check {q.checker!r} does not hold after the reference path: "
+                     f"{reason}"] += 1
+        else:
+            held += 1
+    problems.update(episodes.dropped)
+    console.print(f"{kind.name}: {len(found)} tasks validated of those sampled, {held} replayed to a check that "
+                  f"holds")
+    for reason, n in problems.most_common():
+        console.print(f"  [red]✗[/] {escape(reason)}" + (f" (x{n})" if n > 1 else ""), highlight=False)
+    if problems:
+        raise typer.Exit(code=1)
+    console.print("[green]ok[/]: every sampled task resolves and its check holds")
 
 
 @app.command()

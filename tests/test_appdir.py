@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import cast
@@ -173,3 +174,21 @@ def test_the_notes_app_as_an_app_directory_gives_the_bundled_apps_queries_and_ve
                                           {"url": "/note"}]}), {"note": note}, json.loads(pinned.final_state_json))
     assert ok, reason
 
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+def test_apps_check_names_a_missing_element_and_a_check_that_never_holds(tmp_path: Path, trajforge_cli: str) -> None:
+    """The mistakes a user makes in a spec, found against the live app: a transition's element that is not on
+    the page, and a check whose path matches nothing after the reference path is replayed."""
+    spec = (JOTTER / "spec.yaml").read_text()
+    spec = spec.replace("{op: click, role: button, name: Pin}", "{op: click, role: button, name: Pin it}")
+    spec = spec.replace("""at: "notes[?title=='{note}'] | [0].tags\"""", 'at: "notes[?name==`{note}`].tags"')
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "spec.yaml").write_text(spec)
+    proc = subprocess.run([trajforge_cli, "apps", "check", str(tmp_path / "app"), "--queries", "8"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=500)
+    out = " ".join(proc.stdout.split())  # rich wraps long lines
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "button 'Pin it' not found" in out
+    assert "check 'note_tagged' does not hold after the reference path: session at 'notes[?name==" in out
+    assert "Traceback" not in proc.stderr
