@@ -192,3 +192,27 @@ def test_apps_check_names_a_missing_element_and_a_check_that_never_holds(tmp_pat
     assert "button 'Pin it' not found" in out
     assert "check 'note_tagged' does not hold after the reference path: session at 'notes[?name==" in out
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+def test_apps_init_drafts_a_spec_that_apps_check_passes_as_written(tmp_path: Path, trajforge_cli: str) -> None:
+    """A user's first two commands on a running app: the draft follows the app's links (a list of notes is one
+    transition through a slot of the notes' names) and checks out against the live app before any edit."""
+    with running(load_app_dir(JOTTER)) as url:  # the notes app in its own process, as a user's app would run
+        init = subprocess.run([trajforge_cli, "apps", "init", url + "/", "--out", str(tmp_path / "jot")],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert init.returncode == 0, init.stdout + init.stderr
+        draft = load_app_dir(tmp_path / "jot")
+        assert draft.name == "jot" and draft.serve.base_url == url
+        assert draft.spec.slot_values()["note"][:2] == ["Guest Wi-Fi", "Grocery list"]
+        opened = [t for t in draft.spec.transitions if t.target == "note"]
+        assert [(a.op, a.role, a.name) for t in opened for a in t.actions] == [("click", "link", "{note}")]
+        assert {"notes_new", "note", "note_edit"} <= set(draft.spec.goal_pages())
+        check = subprocess.run([trajforge_cli, "apps", "check", str(tmp_path / "jot")], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "every sampled task resolves and its check holds" in check.stdout
+    again = subprocess.run([trajforge_cli, "apps", "init", url + "/", "--out", str(tmp_path / "jot")],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "spec.yaml exists" in again.stderr  # a user's edits are never overwritten
