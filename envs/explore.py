@@ -3,7 +3,9 @@
 Breadth-first from the start URL over the app's links, within a page budget: a page is a
 URL path on the app's origin, with its numeric segments as one pattern (/notes/3 and
 /notes/4 are one page; the query string is the page's state, not another page), read as
-its accessibility tree. Only links are followed, by their href, never clicked through
+its accessibility tree. Three or more links of a page to paths in one folder are a list
+of items, one page too (/books/Ember+Crown, /books/Drift+Protocol...). Links to files
+that are no page (.json, .csv...) are not followed. Only links are followed, by their href, never clicked through
 buttons: exploring a live app must not submit its forms or delete its data. What the
 draft holds:
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,6 +38,10 @@ from trajforge.envs.browser import BrowserEnv
 
 FIELD_ROLES = ("textbox", "searchbox", "combobox", "spinbutton")
 BUTTON_ROLES = ("button", "menuitem", "tab")
+PAGE_SUFFIXES = ("", ".html", ".htm", ".php", ".asp", ".aspx", ".jsp")
+"""Paths that are pages to explore; others (.json, .csv, .png...) are files a page links to."""
+LIST_SIZE = 3
+"""Links of one page into one folder that make a list of items."""
 MAX_SLOT_VALUES = 12
 """Link names kept as one slot's values (a long list page would make the slot a page of its own)."""
 
@@ -77,9 +83,17 @@ def _read(env: BrowserEnv, url: str, page: _Page, origin: str) -> None:
         hrefs = env.page.get_by_role("link", name=name, exact=True).evaluate_all("els => els.map(e => e.href)")
         for href in hrefs[:1]:  # the first link of that name is the one a click by name finds
             parts = urlsplit(href)
-            if f"{parts.scheme}://{parts.netloc}" == origin and pattern(parts.path) != pattern(urlsplit(page.path).path):
+            if (f"{parts.scheme}://{parts.netloc}" == origin and PurePosixPath(parts.path).suffix in PAGE_SUFFIXES
+                    and pattern(parts.path) != pattern(urlsplit(page.path).path)):
                 where = parts.path + (f"?{parts.query}" if parts.query else "")
                 page.links.setdefault(pattern(parts.path), (where, []))[1].append(name)
+    folders: dict[str, list[str]] = defaultdict(list)
+    for key in page.links:
+        folders[key.rsplit("/", 1)[0]].append(key)
+    for folder, keys in folders.items():
+        if folder and len(keys) >= LIST_SIZE:
+            where = page.links[keys[0]][0]
+            page.links[folder + "/{item}"] = (where, [n for k in keys for n in page.links.pop(k)[1]])
 
 
 def explore(env: BrowserEnv, start_url: str, *, name: str, max_pages: int = 12) -> dict[str, Any]:
@@ -98,7 +112,7 @@ def explore(env: BrowserEnv, start_url: str, *, name: str, max_pages: int = 12) 
         for key, (path, names) in page.links.items():
             if key in pages or len(pages) >= max_pages:
                 continue
-            target = _Page(_page_id(urlsplit(path).path, {p.page_id for p in pages.values()}), path)
+            target = _Page(_page_id(key.replace("{n}", "item"), {p.page_id for p in pages.values()}), path)
             pages[key] = target
             queue.append(target)
             if len(names) == 1:
@@ -123,7 +137,8 @@ def explore(env: BrowserEnv, start_url: str, *, name: str, max_pages: int = 12) 
         if page is not start:
             check = f"on_{page.page_id}"
             slot = reached_by_slot.get(page.page_id)
-            where = {"url": re.escape(key).replace(re.escape("{n}"), r"\d+") + r"(\?|#|$)"}
+            path_re = re.escape(key).replace(re.escape("{n}"), r"\d+").replace(re.escape("{item}"), "[^/?#]+")
+            where = {"url": path_re + r"(\?|#|$)"}
             checks[check] = {"all": [where, {"element": {"name_contains": f"{{{slot}}}"}}]} if slot else where
             entry["goal"] = {"checker": check, "params": {slot: f"{{{slot}}}"} if slot else {},
                              "instruction": f"Open '{{{slot}}}'" if slot else f"Go to the page '{page.title}'"}

@@ -657,13 +657,16 @@ def apps_check(
     # A graph with fewer distinct tasks than asked is no mistake in the spec: the validator and replay check them all.
     problems = Counter({reason: n for reason, n in made.dropped.items() if "fewer distinct tasks" not in reason})
     by_id = {q.query_id: q for q in found}  # type: ignore[union-attr]
+    last = {s.episode_id: s for s in episodes.rows["steps"]}  # type: ignore[union-attr]
     held = 0
     for episode in episodes.rows["episodes"]:
         q = by_id[episode.query_id]  # type: ignore[union-attr]
         ok, reason = kind.check(q.checker, json.loads(q.checker_params_json), json.loads(episode.final_state_json))
-        if episode.status != "terminated":
-            problems[f"{' -> '.join(q.path)}: the reference path did not finish ({episode.status}: "
-                     f"{episode.fault or 'no fault'})"] += 1
+        step = last.get(episode.episode_id)
+        gave_up = step is not None and step.action_type == "terminate" and '"failure"' in step.action_json
+        if episode.status != "terminated" or gave_up:
+            why = step.thought if gave_up and step is not None else episode.fault or episode.status
+            problems[f"{' -> '.join(q.path)}: the reference path could not be replayed: {why}"] += 1
         elif not ok:
             problems[f"{' -> '.join(q.path)}: check {q.checker!r} does not hold after the reference path: "
                      f"{reason}"] += 1

@@ -3,6 +3,7 @@ final state, and the bundled notes app expressed as `examples/apps/jotter` givin
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from typing import cast
 
 import pytest
 import yaml
+from conftest import require
 from pydantic import TypeAdapter
 
 from trajforge.data.blobs import BlobStore
@@ -20,12 +22,14 @@ from trajforge.envs.apps import load_app
 from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.kinds import BundledWebKind, kind_for, use_app_dirs
 from trajforge.envs.spec import SpecError
+from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import generate_queries
 from trajforge.rollout.stage import rollout
-from trajforge.schemas.config import QueryGenSettings, RolloutSettings
+from trajforge.schemas.config import QueryGenSettings, RolloutSettings, Settings
 from trajforge.schemas.records import Episode, Query
 
 JOTTER = Path(__file__).parents[1] / "examples" / "apps" / "jotter"
+DATASETTE = Path(__file__).parents[1] / "examples" / "apps" / "datasette"
 
 
 def _app_dir(tmp_path: Path, **changes: object) -> Path:
@@ -216,3 +220,43 @@ def test_apps_init_drafts_a_spec_that_apps_check_passes_as_written(tmp_path: Pat
     again = subprocess.run([trajforge_cli, "apps", "init", url + "/", "--out", str(tmp_path / "jot")],
                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "spec.yaml exists" in again.stderr  # a user's edits are never overwritten
+
+
+NIGHT = """\
+query_gen:
+  num_queries: 6
+rollout:
+  policy: replay
+  contexts: 2
+critics:
+  step_critic: rules
+  text_channel: false
+synth:
+  writer: template
+"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(900)
+def test_a_night_on_datasette_from_its_hand_edited_spec(tmp_path: Path, trajforge_cli: str) -> None:
+    """The worked example of README "Your own app": Datasette, a third-party app from the package index, started
+    by its app directory's command, gets validated queries, episodes its predicates judge, and synthesis rows."""
+    require(importlib.util.find_spec("datasette") is not None, "datasette is not installed (pip install datasette)")
+    (tmp_path / "trajforge.yaml").write_text(NIGHT)
+    proc = subprocess.run([trajforge_cli, "run", "nightly", "--app-dir", str(DATASETTE)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
+    queries = ws.catalog.latest("queries")[0]
+    assert queries.height == 6 and set(queries["app"]) == {"bookshelf"}
+    assert {"book_opened", "genre_shown", "author_shown"} <= set(queries["checker"])
+    history = ws.catalog.history("queries")[0].lineage
+    assert history is not None and not [k for k in history.dropped if "interface validation" in k], history.dropped
+    verdicts = ws.catalog.latest("verdicts")[0]
+    assert verdicts.height == 6
+    assert verdicts["success"].all(), verdicts.to_dicts()
+    for channels in map(json.loads, verdicts["channels_json"]):  # judged by the spec's predicates
+        assert channels["checker"]["answer"] == "success"
+        assert channels["checker"]["model_id"].startswith("checker:bookshelf/"), channels["checker"]
+    for table in ("train_e2e", "train_grounding", "train_semantics", "train_planning"):
+        assert ws.catalog.latest(table)[0].height > 0, table
