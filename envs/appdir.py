@@ -7,7 +7,7 @@ The directory holds `spec.yaml`: the page graph in the format of the bundled app
       command: "npm start -- --port {port}"      # {port}: a free port; {python}: this interpreter
       url: "http://127.0.0.1:{port}"
       ready_timeout_s: 60
-    reset: context               # or {url: /api/reset, method: POST}, or {command: ./reset.sh}
+    reset: context               # or {url: /api/reset, method: POST}, or {command: "{python} reset.py"}
     state:                       # requests made at the end of every episode, with its cookies
       notes: {path: /api/notes}
     checks:                      # the goals' checkers, as predicates on the episode's final state
@@ -29,14 +29,19 @@ selectors match. A check is one predicate:
   checked or selected state equals, what is given;
 - `http`: a `state` request's JSON answer at a JMESPath expression `at`, which `equals`
   a value, `contains` a text, or `exists`;
-- `all` and `any`: lists of predicates; `not`: one.
+- `all` and `any`: lists of predicates; `not`: one;
+- `python`: the name of a function in the directory's `checkers.py`, called with the
+  goal's parameters and the final state, returning (holds, reason): for what the
+  predicates cannot say.
 
 `{slot}` placeholders in a check take the goal's checker parameters (the query's slot
 values); a slot value is escaped where the check is a regular expression or a JMESPath.
+A literal brace in a check is written twice (`{{` and `}}`), as in Python's format strings.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -46,9 +51,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -64,11 +69,16 @@ from trajforge.envs.browser import BrowserEnv, EnvFault, Observation
 from trajforge.envs.spec import AppSpec, SpecError, placeholders, spec_problems
 
 SPEC_FILE = "spec.yaml"
+CHECKERS_FILE = "checkers.py"
 APP_DIR_KEYS = ("serve", "reset", "state", "checks")
 """The keys of an app directory's spec.yaml beyond the page graph's."""
 MAX_DOM_MATCHES = 50
 """Elements a `dom` selector keeps in the final state (a list page may match hundreds)."""
 MAX_TEXT = 2000
+
+
+CheckFunction = Callable[[dict[str, str], dict[str, Any]], tuple[bool, str]]
+"""A `python` check: (the goal's params, the final state) -> (holds, why), as a bundled app's checkers."""
 
 
 class AppDirError(RuntimeError):
@@ -165,6 +175,10 @@ class HttpCheck(_Strict):
         return self
 
 
+class PythonCheck(_Strict):
+    python: str = Field(description="A function of the app directory's checkers.py: (params, state) -> (holds, why).")
+
+
 class AllOf(_Strict):
     all: list[Check] = Field(min_length=1)
 
@@ -178,20 +192,21 @@ class NotOf(_Strict):
     not_: Check = Field(alias="not")
 
 
-_KINDS = ("url", "element", "dom", "http", "all", "any", "not")
+_KINDS = ("url", "element", "dom", "http", "python", "all", "any", "not")
 
 
 def _kind(raw: Any) -> str | None:
     """Which predicate a mapping is: the first of its keys that names one."""
     if isinstance(raw, dict):
         return next((k for k in _KINDS if k in raw), None)
-    return next((k for k, v in zip(_KINDS, (UrlCheck, ElementCheck, DomCheck, HttpCheck, AllOf, AnyOf, NotOf),
-                                   strict=True) if isinstance(raw, v)), None)
+    return next((k for k, v in zip(_KINDS, (UrlCheck, ElementCheck, DomCheck, HttpCheck, PythonCheck, AllOf, AnyOf,
+                                            NotOf), strict=True) if isinstance(raw, v)), None)
 
 
 Check = Annotated[
     Union[Annotated[UrlCheck, Tag("url")], Annotated[ElementCheck, Tag("element")], Annotated[DomCheck, Tag("dom")],
-          Annotated[HttpCheck, Tag("http")], Annotated[AllOf, Tag("all")], Annotated[AnyOf, Tag("any")],
+          Annotated[HttpCheck, Tag("http")], Annotated[PythonCheck, Tag("python")], Annotated[AllOf, Tag("all")],
+          Annotated[AnyOf, Tag("any")],
           Annotated[NotOf, Tag("not")]],
     Discriminator(_kind, custom_error_type="check", custom_error_message="a check is one of: " + ", ".join(_KINDS)),
 ]
@@ -242,6 +257,8 @@ class AppDir:
     reset: Literal["context"] | ResetBy
     state: dict[str, StateRequest]
     checks: dict[str, Check]
+    functions: dict[str, CheckFunction] = field(default_factory=dict)
+    """The `python` checks' functions, from checkers.py."""
 
     @property
     def name(self) -> str:
@@ -256,7 +273,26 @@ class AppDir:
         """A goal's check on an episode's final state: (success, what was found)."""
         if checker not in self.checks:
             raise ValueError(f"app {self.name!r} has no check {checker!r}; known: {', '.join(sorted(self.checks))}")
-        return evaluate(self.checks[checker], params, state)
+        return evaluate(self.checks[checker], params, state, self.functions)
+
+
+def _functions(folder: Path, checks: dict[str, Check]) -> tuple[dict[str, CheckFunction], list[str]]:
+    """The functions the `python` checks name, imported from folder/checkers.py; and the problems."""
+    names = {c.python: name for name, check in checks.items() for c in _walk(check) if isinstance(c, PythonCheck)}
+    if not names:
+        return {}, []
+    file = folder / CHECKERS_FILE
+    if not file.is_file():
+        return {}, [f"checks.{names[n]}: python {n!r} needs {file}" for n in names]
+    loader = importlib.util.spec_from_file_location(f"trajforge_app_checkers_{abs(hash(str(file)))}", file)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    try:
+        loader.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's module: any error is theirs to read
+        return {}, [f"{file}: cannot import it: {type(exc).__name__}: {exc}"]
+    found = {n: getattr(module, n) for n in names if callable(getattr(module, n, None))}
+    return found, [f"checks.{names[n]}: python {n!r} is not a function in {file}" for n in names if n not in found]
 
 
 def load_app_dir(path: Path) -> AppDir:
@@ -285,12 +321,15 @@ def load_app_dir(path: Path) -> AppDir:
             extras = parsed
     if spec is not None:
         problems += spec_problems(spec)
+    functions: dict[str, CheckFunction] = {}
     if spec is not None and extras is not None:
         problems += _cross_problems(spec, extras)
+        functions, missing = _functions(Path(path), extras.checks)
+        problems += missing
     if problems:
         raise SpecError(f"{file}: invalid app spec:\n  " + "\n  ".join(problems))
     assert spec is not None and extras is not None
-    return AppDir(Path(path).resolve(), spec, extras.serve, extras.reset, extras.state, extras.checks)
+    return AppDir(Path(path).resolve(), spec, extras.serve, extras.reset, extras.state, extras.checks, functions)
 
 
 def _cross_problems(spec: AppSpec, extras: AppDirFile) -> list[str]:
@@ -378,8 +417,10 @@ def _http(check: HttpCheck, params: dict[str, str], answers: dict[str, Any]) -> 
     return found == expected, f"{check.http} at {at!r} is {shown}, expected {json.dumps(expected)[:120]}"
 
 
-def evaluate(check: Check, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """A predicate on a final state (`capture`'s), with the goal's parameters for its {slot}s: (holds, why)."""
+def evaluate(check: Check, params: dict[str, str], state: dict[str, Any],
+             functions: dict[str, CheckFunction] | None = None) -> tuple[bool, str]:
+    """A predicate on a final state (`capture`'s), with the goal's parameters for its {slot}s: (holds, why).
+    `functions` are the app directory's `python` checks."""
     if isinstance(check, UrlCheck):
         pattern = _fill(check.url, params, re.escape)
         url = state.get("url", "")
@@ -395,10 +436,16 @@ def evaluate(check: Check, params: dict[str, str], state: dict[str, Any]) -> tup
         return _dom(check.dom, params, state.get("dom", {}).get(check.dom.selector, []))
     if isinstance(check, HttpCheck):
         return _http(check, params, state.get("http", {}))
+    if isinstance(check, PythonCheck):
+        fn = (functions or {}).get(check.python)
+        if fn is None:
+            raise ValueError(f"python check {check.python!r}: no such function was loaded from {CHECKERS_FILE}")
+        ok, why = fn(params, state)
+        return bool(ok), f"{check.python}: {why}"
     if isinstance(check, NotOf):
-        ok, why = evaluate(check.not_, params, state)
+        ok, why = evaluate(check.not_, params, state, functions)
         return not ok, f"not ({why})"
-    parts = [evaluate(c, params, state) for c in (check.all if isinstance(check, AllOf) else check.any)]
+    parts = [evaluate(c, params, state, functions) for c in (check.all if isinstance(check, AllOf) else check.any)]
     ok = all(p[0] for p in parts) if isinstance(check, AllOf) else any(p[0] for p in parts)
     return ok, "; ".join(why for _, why in parts)
 
@@ -434,8 +481,9 @@ def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str,
 
 
 def _run(command: str, cwd: Path, what: str, timeout_s: float) -> None:
+    argv = [part.format_map({"python": sys.executable}) for part in shlex.split(command)]
     try:
-        done = subprocess.run(shlex.split(command), cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise AppDirError(f"{what} `{command}` failed: {exc}") from None
     if done.returncode != 0:
@@ -461,7 +509,10 @@ class AppDirEnv:
                     raise EnvFault(f"reset {reset.method} {reset.url} answered {status}", "app_down")
             else:
                 assert reset.command is not None
-                _run(reset.command, self.app.path, "reset", self.env.timeout_s)
+                try:
+                    _run(reset.command, self.app.path, "reset", self.env.timeout_s)
+                except AppDirError as exc:  # the app, not the agent: the episode is rerun, never judged
+                    raise EnvFault(str(exc), "app_down") from exc
             self.env.reset(session_id, start_url, app_protocol=False)  # the start page as the reset left the app
         self._last = None
 

@@ -106,7 +106,9 @@ def test_a_failed_state_request_is_the_checks_reason() -> None:
     ({"checks": {"note_created": {"http": "session", "at": "notes[", "exists": True}, "note_pinned": {"url": "x"},
                  "note_tagged": {"url": "x"}}}, "not a JMESPath expression"),
     ({"checks": {"note_created": {"whatever": 1}, "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
-     "checks.note_created: a check is one of: url, element, dom, http, all, any, not"),
+     "checks.note_created: a check is one of: url, element, dom, http, python, all, any, not"),
+    ({"checks": {"note_created": {"python": "created"}, "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
+     "checks.note_created: python 'created' needs"),
     ({"reset": "sometimes"}, "reset"),
 ])
 def test_a_spec_mistake_is_named_with_the_file_and_field(tmp_path: Path, changes: dict[str, object],
@@ -260,3 +262,39 @@ def test_a_night_on_datasette_from_its_hand_edited_spec(tmp_path: Path, trajforg
         assert channels["checker"]["model_id"].startswith("checker:bookshelf/"), channels["checker"]
     for table in ("train_e2e", "train_grounding", "train_semantics", "train_planning"):
         assert ws.catalog.latest(table)[0].height > 0, table
+
+
+COUNTER = Path(__file__).parent / "fixtures" / "counter_app"
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "reset", "second_holds"), [
+    ("counter-url", {"url": "/api/reset", "method": "POST"}, True),
+    ("counter-command", {"command": "{python} reset.py"}, True),
+    ("counter-context", "context", False),  # the app keeps its state beyond the browser's: a context does not reset it
+])
+def test_each_episode_starts_from_the_apps_reset_state(chromium: Path, tmp_path: Path, name: str, reset: object,
+                                                       second_holds: bool) -> None:
+    """A counter app whose state outlives a browser session: two nights' episodes of "add one" each end at one
+    when the spec resets the app by URL or command, and the second ends at two when it does not. The goal's check
+    combines JSON at a path, a Python function of the directory's checkers.py and the final accessibility tree."""
+    shutil.copytree(COUNTER, tmp_path / "counter")
+    raw = yaml.safe_load((tmp_path / "counter" / "spec.yaml").read_text())
+    (tmp_path / "counter" / "spec.yaml").write_text(yaml.safe_dump({**raw, "app": name, "reset": reset},
+                                                                   sort_keys=False))
+    [counter] = use_app_dirs([tmp_path / "counter"])
+    [query] = cast(list[Query], generate_queries([counter], run_id="r", settings=QueryGenSettings(num_queries=1),
+                                                 chromium=chromium).rows["queries"])
+    settings = RolloutSettings(policy="replay", contexts=1, chromium=chromium)
+    episodes = [e for run in ("night-1", "night-2")  # the app's process starts anew; its state file stays
+                for e in cast(list[Episode], rollout([query.model_dump()], run_id=run, settings=settings,
+                                                     blobs=BlobStore(tmp_path / "blobs")).rows["episodes"])]
+    verdicts = [counter.check(query.checker, json.loads(query.checker_params_json), json.loads(e.final_state_json))
+                for e in episodes]
+    assert len(verdicts) == 2
+    if second_holds:
+        assert verdicts[0] == verdicts[1] == (True, "state at 'count' is 1, expected 1; count_is: the count is 1; "
+                                                    "found heading named 'Count: 1'")
+    else:  # interface validation pressed Add once too, and nothing put the count back since
+        assert not verdicts[1][0] and "count_is: the count is 3" in verdicts[1][1], verdicts[1][1]
