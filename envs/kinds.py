@@ -59,7 +59,8 @@ class AppKind(ABC):
     spec: AppSpec | None = None
     """The page graph, for kinds that have one: query generation samples it, the replay policy walks it."""
     app: BundledApp | None = None
-    """The bundled web app, for kinds query generation crawls live."""
+    """The bundled web app, whose interaction recorder and per-session server atomic-operation and deep-search
+    queries need; None for a user's own app (query generation still validates its queries live, via `serve`)."""
     in_browser: bool = True
     """Episodes run on the browser pool (else `on_devices`)."""
 

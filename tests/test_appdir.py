@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import cast
 
+import polars as pl
 import pytest
 import yaml
 from conftest import require
@@ -239,29 +240,41 @@ synth:
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(900)
-def test_a_night_on_datasette_from_its_hand_edited_spec(tmp_path: Path, trajforge_cli: str) -> None:
+@pytest.mark.timeout(1200)
+def test_a_night_on_datasette_and_on_the_notes_app_as_an_app_directory(tmp_path: Path, trajforge_cli: str,
+                                                                        chromium: Path) -> None:
     """The worked example of README "Your own app": Datasette, a third-party app from the package index, started
-    by its app directory's command, gets validated queries, episodes its predicates judge, and synthesis rows."""
+    by its app directory's command, gets validated queries, episodes its predicates judge, and synthesis rows. In
+    the same night the notes app as an app directory gets the bundled notes app's queries, each a success."""
     require(importlib.util.find_spec("datasette") is not None, "datasette is not installed (pip install datasette)")
     (tmp_path / "trajforge.yaml").write_text(NIGHT)
-    proc = subprocess.run([trajforge_cli, "run", "nightly", "--app-dir", str(DATASETTE)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=800)
+    proc = subprocess.run([trajforge_cli, "run", "nightly", "--app-dir", str(DATASETTE), "--app-dir", str(JOTTER)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"}))
     queries = ws.catalog.latest("queries")[0]
-    assert queries.height == 6 and set(queries["app"]) == {"bookshelf"}
-    assert {"book_opened", "genre_shown", "author_shown"} <= set(queries["checker"])
-    history = ws.catalog.history("queries")[0].lineage
-    assert history is not None and not [k for k in history.dropped if "interface validation" in k], history.dropped
+    assert set(queries["app"]) == {"bookshelf", "jotter"}  # --app-dir: these apps only
+    books = queries.filter(pl.col("app") == "bookshelf")
+    assert books.height == 6 and {"book_opened", "genre_shown", "author_shown"} <= set(books["checker"])
+    lineage = ws.catalog.history("queries")[0].lineage
+    assert lineage is not None and not [k for k in lineage.dropped if "interface validation" in k], lineage.dropped
+
+    bundled = generate_queries([BundledWebKind(load_app("notes"))], run_id="r", chromium=chromium,
+                               settings=QueryGenSettings(num_queries=6, atomic_per_app=0, deep_search_apps=[]))
+    tasks = ["instruction", "path", "slots_json", "checker", "checker_params_json"]
+    notes = pl.DataFrame([q.model_dump(include=set(tasks)) for q in cast(list[Query], bundled.rows["queries"])])
+    assert queries.filter(pl.col("app") == "jotter").select(tasks).sort("instruction").equals(
+        notes.select(tasks).sort("instruction"))
+
     verdicts = ws.catalog.latest("verdicts")[0]
-    assert verdicts.height == 6
-    assert verdicts["success"].all(), verdicts.to_dicts()
-    for channels in map(json.loads, verdicts["channels_json"]):  # judged by the spec's predicates
-        assert channels["checker"]["answer"] == "success"
-        assert channels["checker"]["model_id"].startswith("checker:bookshelf/"), channels["checker"]
+    assert verdicts.height == queries.height and verdicts["success"].all(), verdicts.to_dicts()
+    apps = dict(zip(queries["query_id"], queries["app"], strict=True))
+    for query_id, channels in zip(verdicts["query_id"], map(json.loads, verdicts["channels_json"]), strict=True):
+        assert channels["checker"]["answer"] == "success"  # judged by the spec's predicates
+        assert channels["checker"]["model_id"].startswith(f"checker:{apps[query_id]}/"), channels["checker"]
     for table in ("train_e2e", "train_grounding", "train_semantics", "train_planning"):
         assert ws.catalog.latest(table)[0].height > 0, table
+    assert {"bookshelf", "jotter"} <= set(ws.catalog.latest("grounding")[0]["app"])
 
 
 COUNTER = Path(__file__).parent / "fixtures" / "counter_app"
