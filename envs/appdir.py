@@ -75,6 +75,7 @@ APP_DIR_KEYS = ("serve", "reset", "state", "checks")
 MAX_DOM_MATCHES = 50
 """Elements a `dom` selector keeps in the final state (a list page may match hundreds)."""
 MAX_TEXT = 2000
+"""Characters of an element's text a `dom` selector keeps."""
 
 
 CheckFunction = Callable[[dict[str, str], dict[str, Any]], tuple[bool, str]]
@@ -476,7 +477,7 @@ def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str,
             answers[name] = {"error": f"{request.method} {request.path} answered no JSON ({exc})"}
     selectors = app.selectors()
     dom = env.evaluate(_DOM_JS, [selectors, MAX_DOM_MATCHES, MAX_TEXT]) if selectors else {}
-    return {"url": env.url, "title": last.title if last else "", "ax_tree": last.ax_tree if last else "",
+    return {"url": secrets.mask(env.url), "title": last.title if last else "", "ax_tree": last.ax_tree if last else "",
             "http": answers, "dom": json.loads(secrets.mask(json.dumps(dom)))}
 
 

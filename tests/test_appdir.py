@@ -18,6 +18,7 @@ from conftest import require
 from pydantic import TypeAdapter
 
 from trajforge.data.blobs import BlobStore
+from trajforge.envs import secrets
 from trajforge.envs.appdir import AppDirError, Check, evaluate, load_app_dir, running
 from trajforge.envs.apps import load_app
 from trajforge.envs.axtree import AXNode, render
@@ -311,3 +312,12 @@ def test_each_episode_starts_from_the_apps_reset_state(chromium: Path, tmp_path:
                                                     "found heading named 'Count: 1'")
     else:  # interface validation pressed Add once too, and nothing put the count back since
         assert not verdicts[1][0] and "count_is: the count is 3" in verdicts[1][1], verdicts[1][1]
+
+
+def test_a_secret_an_app_echoes_is_kept_as_its_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a user's app answers or shows is masked before it is kept: its JSON may echo a typed password."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_SHOP_PASSWORD", "hunter2-Tide")
+    answer = '{"user": "alice", "last_login_form": {"password": "hunter2-Tide"}}'
+    assert secrets.mask(answer) == answer.replace("hunter2-Tide", "<secret>shop_password</secret>")
+    assert secrets.mask("http://127.0.0.1/login?pw=hunter2-Tide") == \
+        "http://127.0.0.1/login?pw=<secret>shop_password</secret>"
