@@ -64,6 +64,14 @@ from jmespath.exceptions import JMESPathError
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from trajforge.envs import secrets
+from trajforge.envs.apps.interaction import (
+    INTERACTION_CHECKER,
+    RECORDER_PATH,
+    UI_EVENTS,
+    check_interaction,
+    keep_ui_events,
+    parse_ui_events,
+)
 from trajforge.envs.axtree import AXNode, parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, Observation
 from trajforge.envs.spec import AppSpec, SpecError, placeholders, spec_problems
@@ -271,7 +279,10 @@ class AppDir:
                        if isinstance(c, DomCheck)})
 
     def check(self, checker: str, params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-        """A goal's check on an episode's final state: (success, what was found)."""
+        """A goal's check on an episode's final state: (success, what was found); or, for an atomic-operation
+        query, the shared `interaction` checker on what the recorder reported."""
+        if checker == INTERACTION_CHECKER:
+            return check_interaction(params, state)
         if checker not in self.checks:
             raise ValueError(f"app {self.name!r} has no check {checker!r}; known: {', '.join(sorted(self.checks))}")
         return evaluate(self.checks[checker], params, state, self.functions)
@@ -464,7 +475,8 @@ _DOM_JS = """([selectors, max, maxText]) => Object.fromEntries(selectors.map(s =
 
 def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str, Any]:
     """The episode's final state: URL, title, accessibility tree (the last observation's), the state requests'
-    answers and the selectors' elements. A request that fails is recorded as its error; the check says so."""
+    answers, the selectors' elements and, once there is one, the recorder's reports (`ui_events`). A request that
+    fails is recorded as its error; the check says so."""
     answers: dict[str, Any] = {}
     for name, request in app.state.items():
         status, body = env.request(request.method, request.path)
@@ -477,8 +489,15 @@ def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str,
             answers[name] = {"error": f"{request.method} {request.path} answered no JSON ({exc})"}
     selectors = app.selectors()
     dom = env.evaluate(_DOM_JS, [selectors, MAX_DOM_MATCHES, MAX_TEXT]) if selectors else {}
-    return {"url": secrets.mask(env.url), "title": last.title if last else "", "ax_tree": last.ax_tree if last else "",
-            "http": answers, "dom": json.loads(secrets.mask(json.dumps(dom)))}
+    events: list[dict[str, Any]] = []
+    for body in env.take_reports():
+        try:
+            keep_ui_events(events, parse_ui_events(secrets.mask(body)))
+        except ValueError:
+            continue  # not the recorder's (the app's own page posting to the same path): nothing to judge
+    state = {"url": secrets.mask(env.url), "title": last.title if last else "",
+             "ax_tree": last.ax_tree if last else "", "http": answers, "dom": json.loads(secrets.mask(json.dumps(dom)))}
+    return {**state, UI_EVENTS: events} if events else state
 
 
 def _run(command: str, cwd: Path, what: str, timeout_s: float) -> None:
@@ -493,12 +512,15 @@ def _run(command: str, cwd: Path, what: str, timeout_s: float) -> None:
 
 
 class AppDirEnv:
-    """A BrowserEnv on a user's app: the configured reset, and the final state read from outside."""
+    """A BrowserEnv on a user's app: the configured reset, the final state read from outside, and the bundled
+    apps' interaction recorder run by the browser, which keeps its reports (the app's server never sees them),
+    so atomic-operation queries are checked on a user's app as on a bundled one."""
 
     def __init__(self, env: BrowserEnv, app: AppDir) -> None:
         self.env = env
         self.app = app
         self._last: Observation | None = None
+        env.add_recorder(RECORDER_PATH.read_text(), "/__ui")
 
     def reset(self, session_id: str, start_url: str | None = None) -> None:
         self.env.reset(session_id, start_url, app_protocol=False)

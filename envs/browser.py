@@ -291,6 +291,8 @@ class BrowserEnv:
         self._origin: str | None = None
         self._home = "about:blank"
         self._closed = False
+        self._recorder: tuple[str, str] | None = None  # (script, the path its reports go to)
+        self._reports: list[str] = []
 
     # --- running on the host's loop ---------------------------------------------------
 
@@ -352,6 +354,7 @@ class BrowserEnv:
         options = {**VIEWPORTS[self.viewport], "viewport": {"width": self.width, "height": self.height}}
         self._context = await browser.new_context(**options)
         self._context.set_default_timeout(self.timeout_s * 1000)
+        await self._install_recorder()
         self._page = await self._context.new_page()
         self._cdp = await self._context.new_cdp_session(self._page)
         self._main_frame = (await self._cdp.send("Page.getFrameTree"))["frameTree"]["frame"]["id"]
@@ -449,6 +452,7 @@ class BrowserEnv:
             if not response.ok:
                 raise EnvFault(f"POST {self._origin}/__reset answered {response.status}", "app_down")
         self._document = None
+        self._reports = []
         await self._page.goto(url, wait_until="load")
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
@@ -635,6 +639,31 @@ class BrowserEnv:
             raise EnvFault(f"GET {origin}/__state answered {response.status}", "app_down")
         state: dict[str, Any] = await response.json()
         return state
+
+    def add_recorder(self, script: str, path: str) -> None:
+        """Run `script` in every page of this env (this context's and every later one's), and answer the
+        requests it makes to `path`, on any origin, in the browser, keeping their bodies for `take_reports`:
+        for a site whose server does not take the reports itself (a user's own app)."""
+        self._recorder = (script, path)
+        if self._context is not None:
+            self._call(self._install_recorder(), "installing the recorder")
+
+    async def _install_recorder(self) -> None:
+        if self._recorder is None or self._context is None:
+            return
+        script, path = self._recorder
+
+        async def keep(route: Any) -> None:
+            self._reports.append(route.request.post_data or "")
+            await route.fulfill(status=204)
+
+        await self._context.add_init_script(script=script)
+        await self._context.route(f"**{path}", keep)
+
+    def take_reports(self) -> list[str]:
+        """The bodies the recorder sent since the last reset (or the last take), oldest first."""
+        reports, self._reports = self._reports, []
+        return reports
 
     def request(self, method: str, url: str) -> tuple[int, str]:
         """An HTTP request with the context's cookies (the episode's login and session): (status, body text).

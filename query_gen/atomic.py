@@ -30,7 +30,7 @@ from datetime import datetime
 
 from playwright.sync_api import Error as PlaywrightError
 
-from trajforge.envs.apps import INTERACTION_CHECKER, BundledApp
+from trajforge.envs.apps import INTERACTION_CHECKER
 from trajforge.envs.axtree import AXNode
 from trajforge.envs.browser import Box, BrowserEnv, EnvFault
 from trajforge.envs.locate import MAX_SCROLLS, find_boxes, passage_boxes
@@ -297,10 +297,11 @@ def _open(env: BrowserEnv, base_url: str, spec: AppSpec, route: Route) -> str | 
     return None
 
 
-def atomic_queries(app: BundledApp, base_url: str, env: BrowserEnv, *, n: int, seed: int, space: str, run_id: str,
+def atomic_queries(spec: AppSpec, base_url: str, env: BrowserEnv, *, n: int, seed: int, space: str, run_id: str,
                    now: datetime, margin: int, ops: tuple[OpKind, ...] | None = None,
                    max_pages: int = 6) -> AtomicQueries:
-    """Up to `n` atomic-operation queries for `app`, served at `base_url`, found through `env`.
+    """Up to `n` atomic-operation queries for the app of `spec`, served at `base_url`, found through `env` (whose
+    pages run the interaction recorder: a bundled app's, or the one `envs.appdir` installs).
 
     `space` ('mobile' or 'desktop') limits the ops to those it can express, and `ops`
     further to the ones named. Pages are opened in a seeded order, the start page first,
@@ -315,11 +316,10 @@ def atomic_queries(app: BundledApp, base_url: str, env: BrowserEnv, *, n: int, s
     out = AtomicQueries([])
     for op in SPACE_OPS["desktop"]:
         if op not in SPACE_OPS[space] and (ops is None or op in ops):
-            out.skipped[f"{app.name}: {op}: the {space} action space cannot express it"] += 1
+            out.skipped[f"{spec.app}: {op}: the {space} action space cannot express it"] += 1
     if not wanted or n <= 0:
         return out
-    rng = random.Random(f"{seed}:{app.name}")
-    spec = app.spec
+    rng = random.Random(f"{seed}:{spec.app}")
     routes = crawlable_routes(spec)
     routes = routes[:1] + rng.sample(routes[1:], min(len(routes) - 1, max_pages - 1))
     fields_text = sorted({v for vs in spec.slot_values().values() for v in vs if 2 < len(v) <= 40})
@@ -331,16 +331,16 @@ def atomic_queries(app: BundledApp, base_url: str, env: BrowserEnv, *, n: int, s
             problem = f"the browser could not open it: {exc}"
         out.pages += 1
         if problem is not None:
-            out.skipped[f"{app.name}: page {route.path[-1]!r} not reached: {problem}"] += 1
+            out.skipped[f"{spec.app}: page {route.path[-1]!r} not reached: {problem}"] += 1
             continue
         page = _Page(env, route, rng, fields_text or ["hello"])
         for op in wanted:
             pool[op].extend(page.candidates(op))
-        out.skipped.update({f"{app.name}: {reason}": k for reason, k in page.rejected.items()})
+        out.skipped.update({f"{spec.app}: {reason}": k for reason, k in page.rejected.items()})
     found = {op for op in wanted if pool[op]}
     for op in wanted:
         if op not in found:
-            out.skipped[f"{app.name}: {op}: no element for it on the pages opened"] += 1
+            out.skipped[f"{spec.app}: {op}: no element for it on the pages opened"] += 1
     order = list(wanted)
     rng.shuffle(order)
     chosen: list[_Candidate] = []
@@ -350,11 +350,11 @@ def atomic_queries(app: BundledApp, base_url: str, env: BrowserEnv, *, n: int, s
             break
         if pool[op]:
             candidate = pool[op].pop(rng.randrange(len(pool[op])))
-            qid = query_id(app.name, candidate.route, candidate.operation)
+            qid = query_id(spec.app, candidate.route, candidate.operation)
             if qid not in seen:
                 seen.add(qid)
                 chosen.append(candidate)
-    out.queries = [_query(app.name, c, run_id=run_id, now=now, margin=margin) for c in chosen]
+    out.queries = [_query(spec.app, c, run_id=run_id, now=now, margin=margin) for c in chosen]
     return out
 
 

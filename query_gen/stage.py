@@ -6,8 +6,8 @@ instructions; find atomic-operation queries on the live pages; with
 `validate_interface`, crawl the live app and drop queries whose pages, slot values or
 target elements are gone; for the apps named in `deep_search_apps`, search the live
 accessibility tree for menu, tab and dialog pathways and make queries of them. A user's
-own app (an app directory) gets all of it but atomic operations and deep search, which
-read the bundled apps' interaction recorder and per-session server. Coverage
+own app (an app directory) gets all of it but deep search, which runs on a bundled app's
+own server. Coverage
 of the graph, operation kinds and sources go into the stage's statistics, and every
 drop is counted under its reason, so the lineage explains each missing query.
 """
@@ -177,10 +177,8 @@ def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commande
         site = kind.serve(stack)
         env = site.wrap(stack.enter_context(BrowserEnv(chromium=chromium, viewport=viewport,
                                                        on_observe=watch(viewport))))
-        if settings.atomic_per_app and app is None:
-            out.stats[f"atomic: not made: {kind.name}: a user's app has no interaction recorder to check them"] += 1
-        elif settings.atomic_per_app:
-            atomic = atomic_queries(app, site.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
+        if settings.atomic_per_app:
+            atomic = atomic_queries(spec, site.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
                                     space=env.space, run_id=run_id, now=now, margin=settings.step_budget_margin,
                                     max_pages=settings.atomic_pages)
             found += atomic.queries

@@ -141,8 +141,10 @@ def test_an_app_that_does_not_answer_or_exits_is_named(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_the_notes_app_as_an_app_directory_gives_the_bundled_apps_queries_and_verdicts(chromium: Path,
                                                                                        tmp_path: Path) -> None:
-    """Interface validation drives the user's app through its own server process, the replay reaches every goal,
-    and the declarative checks agree with the bundled app's Python checkers, success for success."""
+    """Interface validation drives the user's app through its own server process, atomic-operation queries are
+    found on its live pages, the replay reaches every goal, and the declarative checks agree with the bundled app's
+    Python checkers, success for success; the interaction recorder the browser runs for it reports as the app's
+    own page does for the bundled app."""
     shutil.copytree(JOTTER, tmp_path / "jotter")
     [jotter] = use_app_dirs([tmp_path / "jotter"])
     assert kind_for("jotter") is jotter
@@ -154,10 +156,17 @@ def test_the_notes_app_as_an_app_directory_gives_the_bundled_apps_queries_and_ve
         return q.instruction, tuple(q.path), q.slots_json, q.checker, q.checker_params_json
 
     queries = cast(list[Query], mine.rows["queries"])
-    assert len(queries) == 8 and not mine.dropped
-    page_graph = [q for q in cast(list[Query], bundled.rows["queries"]) if q.source == "page_graph"]
-    assert sorted(map(task, queries)) == sorted(map(task, page_graph))  # the bundled app adds atomic queries
-    assert mine.stats["atomic: not made: jotter: a user's app has no interaction recorder to check them"] == 1
+    assert len(queries) == 9 and not mine.dropped
+    def page_graph(qs: list[Query]) -> list[tuple[object, ...]]:
+        return sorted(task(q) for q in qs if q.source == "page_graph")
+
+    assert page_graph(queries) == page_graph(cast(list[Query], bundled.rows["queries"]))
+    # An atomic query too, on an element the seeded draw (seeded by the app's name) picked on the live pages.
+    assert [q.checker for q in queries if q.source == "atomic"] == ["interaction"]
+
+    def bundled_state(checker: str, state: dict[str, object]) -> object:
+        """What the bundled checker reads: the app's JSON, or the recorder's reports beside it."""
+        return state if checker == "interaction" else cast(dict, state["http"])["session"]["json"]
 
     replay = RolloutSettings(policy="replay", contexts=2, chromium=chromium)
     episodes = cast(list[Episode], rollout([q.model_dump() for q in queries], run_id="r", settings=replay,
@@ -170,12 +179,12 @@ def test_the_notes_app_as_an_app_directory_gives_the_bundled_apps_queries_and_ve
         params = json.loads(q.checker_params_json)
         ok, reason = jotter.check(q.checker, params, state)
         assert episode.status == "terminated" and ok, reason
-        assert notes.check(q.checker, params, state["http"]["session"]["json"])[0]  # the same state, same verdict
+        assert notes.check(q.checker, params, bundled_state(q.checker, state))[0]  # the same state, same verdict
         assert state["url"] == episode.final_url and "RootWebArea" in state["ax_tree"]
         # Another query's goal on this state: the checks tell the states apart.
         other = next(o for o in queries if o.checker != q.checker)
         assert jotter.check(other.checker, json.loads(other.checker_params_json), state)[0] is notes.check(
-            other.checker, json.loads(other.checker_params_json), state["http"]["session"]["json"])[0]
+            other.checker, json.loads(other.checker_params_json), bundled_state(other.checker, state))[0]
     pinned = next(e for e in episodes if by_id[e.query_id].checker == "note_pinned")
     note = json.loads(by_id[pinned.query_id].checker_params_json)["note"]
     ok, reason = evaluate(_check({"all": [{"element": {"role": "button", "name": "Unpin"}},
@@ -256,16 +265,19 @@ def test_a_night_on_datasette_and_on_the_notes_app_as_an_app_directory(tmp_path:
     queries = ws.catalog.latest("queries")[0]
     assert set(queries["app"]) == {"bookshelf", "jotter"}  # --app-dir: these apps only
     books = queries.filter(pl.col("app") == "bookshelf")
-    assert books.height == 6 and {"book_opened", "genre_shown", "author_shown"} <= set(books["checker"])
+    assert books.filter(pl.col("source") == "page_graph").height == 6
+    assert {"book_opened", "genre_shown", "author_shown", "interaction"} <= set(books["checker"])
     lineage = ws.catalog.history("queries")[0].lineage
     assert lineage is not None and not [k for k in lineage.dropped if "interface validation" in k], lineage.dropped
 
     bundled = generate_queries([BundledWebKind(load_app("notes"))], run_id="r", chromium=chromium,
-                               settings=QueryGenSettings(num_queries=6, atomic_per_app=0, deep_search_apps=[]))
+                               settings=QueryGenSettings(num_queries=6, deep_search_apps=[]))
     tasks = ["instruction", "path", "slots_json", "checker", "checker_params_json"]
-    notes = pl.DataFrame([q.model_dump(include=set(tasks)) for q in cast(list[Query], bundled.rows["queries"])])
-    assert queries.filter(pl.col("app") == "jotter").select(tasks).sort("instruction").equals(
-        notes.select(tasks).sort("instruction"))
+    notes = pl.DataFrame([q.model_dump(include={*tasks, "source"}) for q in cast(list[Query], bundled.rows["queries"])])
+    jotter = queries.filter(pl.col("app") == "jotter")
+    assert jotter.filter(pl.col("source") == "page_graph").select(tasks).sort("instruction").equals(
+        notes.filter(pl.col("source") == "page_graph").select(tasks).sort("instruction"))
+    assert jotter.filter(pl.col("source") == "atomic").height == notes.filter(pl.col("source") == "atomic").height
 
     verdicts = ws.catalog.latest("verdicts")[0]
     assert verdicts.height == queries.height and verdicts["success"].all(), verdicts.to_dicts()
@@ -298,8 +310,9 @@ def test_each_episode_starts_from_the_apps_reset_state(chromium: Path, tmp_path:
     (tmp_path / "counter" / "spec.yaml").write_text(yaml.safe_dump({**raw, "app": name, "reset": reset},
                                                                    sort_keys=False))
     [counter] = use_app_dirs([tmp_path / "counter"])
-    [query] = cast(list[Query], generate_queries([counter], run_id="r", settings=QueryGenSettings(num_queries=1),
-                                                 chromium=chromium).rows["queries"])
+    made = generate_queries([counter], run_id="r", settings=QueryGenSettings(num_queries=1, atomic_per_app=0),
+                            chromium=chromium)
+    [query] = cast(list[Query], made.rows["queries"])
     settings = RolloutSettings(policy="replay", contexts=1, chromium=chromium)
     episodes = [e for run in ("night-1", "night-2")  # the app's process starts anew; its state file stays
                 for e in cast(list[Episode], rollout([query.model_dump()], run_id=run, settings=settings,

@@ -127,7 +127,7 @@ def generated(chromium: Path, servers: dict[str, AppServer]) -> list[Query]:
     queries: list[Query] = []
     with BrowserEnv(viewport="desktop", chromium=chromium) as env:
         for name, server in servers.items():
-            queries += atomic_queries(server.app, server.base_url, env, n=7, seed=3, space="desktop", run_id="t",
+            queries += atomic_queries(server.app.spec, server.base_url, env, n=7, seed=3, space="desktop", run_id="t",
                                       now=NOW, margin=3).queries
     return queries
 
@@ -167,7 +167,7 @@ def test_every_op_kind_is_generated_from_live_pages(generated: list[Query]) -> N
 def test_generation_is_seeded_and_ids_are_stable(chromium: Path, servers: dict[str, AppServer]) -> None:
     server = servers["notes"]
     with BrowserEnv(viewport="desktop", chromium=chromium) as env:
-        runs = [atomic_queries(server.app, server.base_url, env, n=4, seed=seed, space="desktop", run_id="t",
+        runs = [atomic_queries(server.app.spec, server.base_url, env, n=4, seed=seed, space="desktop", run_id="t",
                                now=NOW, margin=3, max_pages=1) for seed in (5, 5, 6)]
     first, again, other = ([q.query_id for q in r.queries] for r in runs)
     assert first == again and len(first) == 4
@@ -242,7 +242,7 @@ def test_mobile_space_gets_only_ops_it_can_express(chromium: Path, servers: dict
                                                    tmp_path: Path) -> None:
     server = servers["calendar"]
     with BrowserEnv(viewport="mobile", chromium=chromium) as env:
-        result = atomic_queries(server.app, server.base_url, env, n=6, seed=1, space="mobile", run_id="t", now=NOW,
+        result = atomic_queries(server.app.spec, server.base_url, env, n=6, seed=1, space="mobile", run_id="t", now=NOW,
                                 margin=3, max_pages=2)
         assert result.queries and {op_of(q).op for q in result.queries} <= set(SPACE_OPS["mobile"])
         assert result.skipped["calendar: double_click: the mobile action space cannot express it"] == 1

@@ -40,6 +40,21 @@ INTERACTION_CHECKER = "interaction"
 this operation on this element, as the page's recorder reported it."""
 
 
+def keep_ui_events(kept: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+    """Add the reports to `kept`, in place. Of the typing reports of one field on one page only the latest (by
+    `at`) is kept: it holds the field's whole value, and one report per keystroke would say the same thing letter
+    by letter. At most MAX_UI_EVENTS are kept, the newest."""
+    for event in events:
+        if event["op"] == "type_at":
+            same = [e for e in kept if e["op"] == "type_at"
+                    and all(e.get(k) == event.get(k) for k in ("role", "name", "page"))]
+            if any(e["at"] >= event["at"] for e in same):
+                continue  # a keystroke's report that arrived after a later one's
+            kept[:] = [e for e in kept if e not in same]
+        kept.append(event)
+    del kept[:-MAX_UI_EVENTS]
+
+
 def parse_ui_events(body: str) -> list[dict[str, Any]]:
     """The recorder's report (a JSON object or list of them) as events; raises ValueError
     naming the item and field that is wrong."""

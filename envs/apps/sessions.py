@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from trajforge.envs.apps.base import BundledApp
-from trajforge.envs.apps.interaction import MAX_UI_EVENTS, UI_EVENTS
+from trajforge.envs.apps.interaction import UI_EVENTS, keep_ui_events
 
 
 class Sessions:
@@ -37,16 +37,5 @@ class Sessions:
         return self.states[session_id]
 
     def record(self, session_id: str, events: list[dict[str, Any]]) -> None:
-        """Keep the reports. Of the typing reports of one field on one page only the
-        latest (by `at`) is kept: it holds the field's whole value, and one report per
-        keystroke would say the same thing letter by letter."""
-        kept = self.events.setdefault(session_id, [])
-        for event in events:
-            if event["op"] == "type_at":
-                same = [e for e in kept if e["op"] == "type_at"
-                        and all(e.get(k) == event.get(k) for k in ("role", "name", "page"))]
-                if any(e["at"] >= event["at"] for e in same):
-                    continue  # a keystroke's report that arrived after a later one's
-                kept[:] = [e for e in kept if e not in same]
-            kept.append(event)
-        del kept[:-MAX_UI_EVENTS]
+        """Keep the reports (`interaction.keep_ui_events`)."""
+        keep_ui_events(self.events.setdefault(session_id, []), events)

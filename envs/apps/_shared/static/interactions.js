@@ -14,6 +14,9 @@
 // "text" named by its text node, as Chromium's tree shows StaticText.
 (() => {
   "use strict";
+  // One recorder a page: a bundled app's page loads it, and a user's app gets it from the browser (envs.appdir).
+  if (window.__trajforgeRecorder) return;
+  window.__trajforgeRecorder = true;
 
   const TAG_ROLES = {
     button: "button", textarea: "textbox", select: "combobox", img: "image",
