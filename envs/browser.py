@@ -28,6 +28,7 @@ import asyncio
 import base64
 import contextlib
 import inspect
+import json
 import struct
 import threading
 import time
@@ -634,16 +635,19 @@ class BrowserEnv:
 
     async def _app_state(self, origin: str) -> dict[str, Any]:
         assert self._context is not None
-        response = await self._context.request.get(origin + "/__state", timeout=self.timeout_s * 1000)
-        if not response.ok:
-            raise EnvFault(f"GET {origin}/__state answered {response.status}", "app_down")
-        state: dict[str, Any] = await response.json()
+        status, body = await self._request("GET", origin + "/__state")
+        if not 200 <= status < 300:
+            raise EnvFault(f"GET {origin}/__state answered {status}", "app_down")
+        state: dict[str, Any] = json.loads(body)
         return state
 
     def add_recorder(self, script: str, path: str) -> None:
         """Run `script` in every page of this env (this context's and every later one's), and answer the
         requests it makes to `path`, on any origin, in the browser, keeping their bodies for `take_reports`:
-        for a site whose server does not take the reports itself (a user's own app)."""
+        for a site whose server does not take the reports itself (a user's own app). The same recorder again is
+        a no-op: a rollout wraps its pooled env anew for every episode, and each install would run on every page."""
+        if self._recorder == (script, path):
+            return
         self._recorder = (script, path)
         if self._context is not None:
             self._call(self._install_recorder(), "installing the recorder")
@@ -682,8 +686,7 @@ class BrowserEnv:
     def evaluate(self, expression: str, arg: Any = None) -> Any:
         """A JavaScript function's result on the current page, called with `arg`."""
         assert self._page is not None
-        page = self._page
-        return self._call(page.evaluate(expression, arg), "evaluating a script")
+        return self._call(self._page.evaluate(expression, arg), "evaluating a script")
 
     def element_at(self, x: float, y: float) -> Element | None:
         """The control under a point, as the last observation saw it: the element painted on top
