@@ -90,6 +90,15 @@ class AppKind(ABC):
         raise NotImplementedError(f"{self.name} runs in the browser")
 
 
+def _web_site(spec: AppSpec, base_url: str, wrap: Callable[[BrowserEnv], Any] | None = None) -> Site:
+    """A web app served at `base_url`: every episode starts on its start page, which opens it by title or name."""
+    url = base_url + spec.pages[spec.start].url
+    site = Site(start_url=lambda q: url, base_url=base_url, launchers={spec.title: url, spec.app: url})
+    if wrap is not None:
+        site.wrap = wrap
+    return site
+
+
 class BundledWebKind(AppKind):
     """A bundled web app: a page graph, a server with per-session state, and checkers of that state."""
 
@@ -102,9 +111,7 @@ class BundledWebKind(AppKind):
         return self.app.check(checker, params, state)
 
     def serve(self, stack: ExitStack) -> Site:
-        server = stack.enter_context(AppServer(self.app))
-        url = server.base_url + self.spec.pages[self.spec.start].url
-        return Site(start_url=lambda q: url, base_url=server.base_url, launchers={self.spec.title: url, self.name: url})
+        return _web_site(self.spec, stack.enter_context(AppServer(self.app)).base_url)
 
 
 class AppDirKind(AppKind):
@@ -120,10 +127,8 @@ class AppDirKind(AppKind):
         return self.app_dir.check(checker, params, state)
 
     def serve(self, stack: ExitStack) -> Site:
-        base = stack.enter_context(running(self.app_dir))
-        url = base + self.spec.pages[self.spec.start].url
-        return Site(start_url=lambda q: url, base_url=base, wrap=lambda env: AppDirEnv(env, self.app_dir),
-                    launchers={self.spec.title: url, self.name: url})
+        return _web_site(self.spec, stack.enter_context(running(self.app_dir)),
+                         wrap=lambda env: AppDirEnv(env, self.app_dir))
 
 
 class MiniWoBKind(AppKind):
