@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import httpx
 import jmespath
@@ -85,6 +85,8 @@ MAX_DOM_MATCHES = 50
 MAX_TEXT = 2000
 """Characters of an element's text a `dom` selector keeps."""
 
+
+M = TypeVar("M", bound=BaseModel)
 
 CheckFunction = Callable[[dict[str, str], dict[str, Any]], tuple[bool, str]]
 """A `python` check: (the goal's params, the final state) -> (holds, why), as a bundled app's checkers."""
@@ -307,6 +309,15 @@ def _functions(folder: Path, checks: dict[str, Check]) -> tuple[dict[str, CheckF
     return found, [f"checks.{names[n]}: python {n!r} is not a function in {file}" for n in names if n not in found]
 
 
+def _validated(model: type[M], data: dict[str, Any], problems: list[str]) -> M | None:
+    """`data` as `model`, or None with its problems added (field path and message)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems += [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return None
+
+
 def load_app_dir(path: Path) -> AppDir:
     """Read and validate an app directory; every problem is reported with the file and field."""
     file = Path(path) / SPEC_FILE
@@ -320,17 +331,8 @@ def load_app_dir(path: Path) -> AppDir:
         raise SpecError(f"{file}: an app spec is a mapping, got {type(raw).__name__}")
     extra = {k: raw.pop(k) for k in APP_DIR_KEYS if k in raw}
     problems: list[str] = []
-    spec = extras = None
-    for model, data in ((AppSpec, raw), (AppDirFile, extra)):
-        try:
-            parsed = model.model_validate(data)
-        except ValidationError as exc:
-            problems += [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-            continue
-        if isinstance(parsed, AppSpec):
-            spec = parsed
-        else:
-            extras = parsed
+    spec = _validated(AppSpec, raw, problems)
+    extras = _validated(AppDirFile, extra, problems)
     if spec is not None:
         problems += spec_problems(spec)
     functions: dict[str, CheckFunction] = {}

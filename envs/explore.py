@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import yaml
 
@@ -63,6 +63,11 @@ def pattern(path: str) -> str:
     return re.sub(r"/\d+(?=/|$)", "/{n}", path or "/")
 
 
+def _where(parts: SplitResult) -> str:
+    """A URL's path with its query string: where on the origin a page was seen."""
+    return parts.path + (f"?{parts.query}" if parts.query else "")
+
+
 def _page_id(path: str, taken: set[str]) -> str:
     words = [w for w in re.split(r"[^a-z0-9]+", path.lower()) if w and not w.isdigit()]
     base = "_".join(words) or "home"
@@ -79,14 +84,14 @@ def _read(env: BrowserEnv, url: str, page: _Page, origin: str) -> None:
     nodes: list[AXNode] = list(obs.nodes)
     page.fields = sorted({n.name for n in nodes if n.role in FIELD_ROLES and n.name})
     page.buttons = sorted({n.name for n in nodes if n.role in BUTTON_ROLES and n.name})
+    here = pattern(urlsplit(page.path).path)
     for name in dict.fromkeys(n.name for n in nodes if n.role == "link" and n.name):
         hrefs = env.page.get_by_role("link", name=name, exact=True).evaluate_all("els => els.map(e => e.href)")
         for href in hrefs[:1]:  # the first link of that name is the one a click by name finds
             parts = urlsplit(href)
             if (f"{parts.scheme}://{parts.netloc}" == origin and PurePosixPath(parts.path).suffix in PAGE_SUFFIXES
-                    and pattern(parts.path) != pattern(urlsplit(page.path).path)):
-                where = parts.path + (f"?{parts.query}" if parts.query else "")
-                page.links.setdefault(pattern(parts.path), (where, []))[1].append(name)
+                    and pattern(parts.path) != here):
+                page.links.setdefault(pattern(parts.path), (_where(parts), []))[1].append(name)
     folders: dict[str, list[str]] = defaultdict(list)
     for key in page.links:
         folders[key.rsplit("/", 1)[0]].append(key)
@@ -100,7 +105,7 @@ def explore(env: BrowserEnv, start_url: str, *, name: str, max_pages: int = 12) 
     """The draft spec of the app `name` at `start_url` (a mapping, written as spec.yaml by `write_draft`)."""
     parts = urlsplit(start_url)
     origin = f"{parts.scheme}://{parts.netloc}"
-    start = _Page(_page_id(parts.path, set()), (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+    start = _Page(_page_id(parts.path, set()), _where(parts._replace(path=parts.path or "/")))
     pages: dict[str, _Page] = {pattern(parts.path): start}
     transitions: list[dict[str, Any]] = []
     slots: dict[str, dict[str, list[str]]] = defaultdict(dict)  # page id -> its slots

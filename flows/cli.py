@@ -663,7 +663,8 @@ def apps_check(
         q = by_id[episode.query_id]  # type: ignore[union-attr]
         ok, reason = kind.check(q.checker, json.loads(q.checker_params_json), json.loads(episode.final_state_json))
         step = last.get(episode.episode_id)
-        gave_up = step is not None and step.action_type == "terminate" and '"failure"' in step.action_json
+        gave_up = (step is not None and step.action_type == "terminate"
+                   and json.loads(step.action_json).get("status") == "failure")
         if episode.status != "terminated" or gave_up:
             why = step.thought if gave_up and step is not None else episode.fault or episode.status
             problems[f"{' -> '.join(q.path)}: the reference path could not be replayed: {why}"] += 1
