@@ -37,6 +37,12 @@ selectors match. A check is one predicate:
 `{slot}` placeholders in a check take the goal's checker parameters (the query's slot
 values); a slot value is escaped where the check is a regular expression or a JMESPath.
 A literal brace in a check is written twice (`{{` and `}}`), as in Python's format strings.
+
+Two checkers come with every app directory, for the queries the factory finds on the live
+app rather than in the page graph: `interaction` (atomic operations, judged on what the
+browser's recorder saw) and `surface_opened` (deep search: the final accessibility tree
+shows the dialog or tab panel named `surface`). A check of the same name in spec.yaml
+replaces the second.
 """
 
 from __future__ import annotations
@@ -227,13 +233,24 @@ for _model in (AllOf, AnyOf, NotOf):
     _model.model_rebuild()
 
 
+SURFACE_CHECKER = "surface_opened"
+"""The checker of deep-search queries (query_gen.deep_search), with the dialog or tab panel as `surface`."""
+BUILT_IN_CHECKS: dict[str, Check] = {
+    SURFACE_CHECKER: AnyOf(any=[ElementCheck(element=ElementQuery(role=role, name="{surface}"))
+                                for role in ("dialog", "alertdialog", "tabpanel")]),
+}
+"""Checks every app directory has unless its spec.yaml defines one of the same name. `surface_opened` reads the
+final accessibility tree: the episode ends with the dialog or tab panel open, as deep search found it (a bundled app
+reports every surface it shows to its server instead; a user's app is not changed for us)."""
+
+
 class AppDirFile(_Strict):
     """What spec.yaml adds to the page graph."""
 
     serve: Serve
     reset: Literal["context"] | ResetBy = "context"
     state: dict[str, StateRequest] = Field(default_factory=dict)
-    checks: dict[str, Check] = Field(min_length=1)
+    checks: dict[str, Check] = Field(default_factory=dict)
 
 
 def _walk(check: Check) -> Iterator[Check]:
@@ -285,9 +302,10 @@ class AppDir:
         query, the shared `interaction` checker on what the recorder reported."""
         if checker == INTERACTION_CHECKER:
             return check_interaction(params, state)
-        if checker not in self.checks:
-            raise ValueError(f"app {self.name!r} has no check {checker!r}; known: {', '.join(sorted(self.checks))}")
-        return evaluate(self.checks[checker], params, state, self.functions)
+        checks = {**BUILT_IN_CHECKS, **self.checks}
+        if checker not in checks:
+            raise ValueError(f"app {self.name!r} has no check {checker!r}; known: {', '.join(sorted(checks))}")
+        return evaluate(checks[checker], params, state, self.functions)
 
 
 def _functions(folder: Path, checks: dict[str, Check]) -> tuple[dict[str, CheckFunction], list[str]]:
@@ -349,14 +367,15 @@ def load_app_dir(path: Path) -> AppDir:
 def _cross_problems(spec: AppSpec, extras: AppDirFile) -> list[str]:
     """Names that must agree between the page graph and the checks."""
     problems = []
+    checks = {**BUILT_IN_CHECKS, **extras.checks}
     for page_id, page in spec.pages.items():
         if page.goal is None:
             continue
-        if page.goal.checker not in extras.checks:
+        if page.goal.checker not in checks:
             problems.append(f"pages.{page_id}.goal.checker: no check {page.goal.checker!r} in checks; "
-                            f"known: {', '.join(sorted(extras.checks))}")
+                            f"known: {', '.join(sorted(checks))}")
             continue
-        for template in _templates(extras.checks[page.goal.checker]):
+        for template in _templates(checks[page.goal.checker]):
             for slot in placeholders(template) - set(page.goal.params):
                 problems.append(f"checks.{page.goal.checker}: {{{slot}}} is not one of pages.{page_id}.goal.params "
                                 f"({', '.join(sorted(page.goal.params)) or 'none'})")

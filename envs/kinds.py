@@ -29,7 +29,7 @@ from trajforge.envs.apps import AppServer, BundledApp, known_apps, load_app
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer, check_reward, check_tasks, miniwob_queries
 from trajforge.envs.spec import AppSpec, SpecError
-from trajforge.schemas.config import RolloutSettings, Settings
+from trajforge.schemas.config import ConfigError, RolloutSettings, Settings
 from trajforge.schemas.records import Episode, Query
 
 T = TypeVar("T")
@@ -58,9 +58,6 @@ class AppKind(ABC):
     name: str
     spec: AppSpec | None = None
     """The page graph, for kinds that have one: query generation samples it, the replay policy walks it."""
-    app: BundledApp | None = None
-    """The bundled web app, whose interaction recorder and per-session server atomic-operation and deep-search
-    queries need; None for a user's own app (query generation still validates its queries live, via `serve`)."""
     in_browser: bool = True
     """Episodes run on the browser pool (else `on_devices`)."""
 
@@ -101,6 +98,8 @@ def _web_site(spec: AppSpec, base_url: str, wrap: Callable[[BrowserEnv], Any] | 
 
 class BundledWebKind(AppKind):
     """A bundled web app: a page graph, a server with per-session state, and checkers of that state."""
+
+    app: BundledApp
 
     def __init__(self, app: BundledApp) -> None:
         self.app = app
@@ -218,10 +217,13 @@ def configured_kinds(settings: Settings) -> list[AppKind]:
     """The kinds the config asks queries of: its bundled apps, its app directories, then the suites it names
     tasks of.
 
-    Validates on the way (an unknown app or MiniWoB++ task raises), so a run can check
-    its config before any work.
+    Validates on the way (an unknown app or MiniWoB++ task, a deep-search app not served raises), so a run can
+    check its config before any work.
     """
     kinds = [kind_for(name) for name in settings.query_gen.apps] + use_app_dirs(settings.query_gen.app_dirs)
+    if unserved := [a for a in settings.query_gen.deep_search_apps if a not in {k.name for k in kinds}]:
+        raise ConfigError(f"query_gen.deep_search_apps: {', '.join(unserved)} is neither in query_gen.apps nor an "
+                         "app of query_gen.app_dirs, so nothing serves it")
     if settings.query_gen.miniwob_tasks:
         check_tasks(settings.query_gen.miniwob_tasks)
         kinds.append(kind_for(MINIWOB))

@@ -14,8 +14,9 @@ Screens already seen (same tree, boxes and focus aside) are not expanded twice.
 A model then says whether each endpoint acts on an object the user must select first
 (the paper's example: a font size needs selected text), and writes the command for the
 pathway; an answer that does not parse is recorded and the template command stands.
-Queries are made for the endpoints a checker can see, the dialogs and tab panels the app
-reports to its server; the rest are counted with the reason.
+Queries are made for the endpoints a checker can see, the dialogs and tab panels (a bundled
+app reports them to its server; on a user's app they are read from the final accessibility
+tree); the rest are counted with the reason.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from trajforge.envs.apps import AppServer, BundledApp
+from trajforge.envs.appdir import SURFACE_CHECKER
 from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.envs.operations import Operation, dump_operations
+from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway, Prompt, Sampling, load_prompt
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Query
@@ -44,9 +46,9 @@ CLICK_ROLES = ("menuitem", "menuitemcheckbox", "menuitemradio", "tab", "button",
 SELECTION_PROMPT = "deep_search_selection"
 COMMAND_PROMPT = "deep_search_command"
 TEMPLATE_GENERATOR = "deep_search_template@1"
-SURFACE_CHECKER = "surface_opened"
 CHECKABLE_KINDS = ("dialog", "tabpanel")
-"""Endpoints the app reports to its server (see envs.apps.writer), so `surface_opened` can check them."""
+"""Endpoints `surface_opened` can check: a bundled app reports them to its server (see envs.apps.writer), a user's
+app shows them in the final accessibility tree (envs.appdir)."""
 
 EndpointKind = Literal["menu", "dialog", "tabpanel", "page", "command"]
 
@@ -366,13 +368,13 @@ def pathway_queries(app: str, start_page: str, result: SearchResult, *, run_id: 
     return out
 
 
-def deep_search_queries(app: BundledApp, env: BrowserEnv, *, run_id: str, commander: Commander | None = None,
-                        selection: Operation | None = None, max_depth: int = 4,
+def deep_search_queries(spec: AppSpec, base_url: str, env: BrowserEnv, *, run_id: str,
+                        commander: Commander | None = None, selection: Operation | None = None, max_depth: int = 4,
                         max_nodes: int = 200) -> DeepSearchQueries:
-    """Serve `app`, search its pathways from its start page through `env` (desktop viewport), make its queries."""
-    with AppServer(app) as server:
-        start = server.base_url + app.spec.pages[app.spec.start].url
-        result = DeepSearch(env, start, max_depth=max_depth, max_nodes=max_nodes,
-                            session_prefix=f"deep-search-{app.name}").run()
-    return pathway_queries(app.name, app.spec.start, result, run_id=run_id, app_title=app.spec.title,
+    """Search the pathways of the app served at `base_url` from its start page through `env` (desktop viewport;
+    a kind's wrapped env, so a user's app resets as its directory says), and make its queries."""
+    start = base_url + spec.pages[spec.start].url
+    result = DeepSearch(env, start, max_depth=max_depth, max_nodes=max_nodes,
+                        session_prefix=f"deep-search-{spec.app}").run()
+    return pathway_queries(spec.app, spec.start, result, run_id=run_id, app_title=spec.title,
                            commander=commander, selection=selection)

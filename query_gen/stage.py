@@ -107,7 +107,7 @@ def generate_queries(
     if settings.instructions == "model" and gateway is None:
         raise ValueError("query_gen.instructions: 'model' needs a model gateway (llm settings)")
     live = settings.validate_interface or settings.atomic_per_app > 0 or any(
-        a.app is not None and a.name in settings.deep_search_apps for a in apps)
+        a.name in settings.deep_search_apps for a in apps)
     if live and chromium is None:
         raise ValueError("query_gen: validate_interface, atomic_per_app and deep_search_apps open the live app "
                          "and need a Chromium (rollout.chromium)")
@@ -168,7 +168,7 @@ def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commande
     """The page-graph queries that pass interface validation, with the atomic-operation and
     deep-search queries found on the live app; each drop is counted with its reason."""
     found = list(page_graph)
-    app, spec = kind.app, kind.spec
+    spec = kind.spec
     assert spec is not None
     def watch(viewport: str) -> Callable[[Observation], None] | None:
         return pages.watch(kind.name, viewport) if pages is not None else None
@@ -188,21 +188,28 @@ def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commande
             found = checked.kept
             out.dropped.update(checked.dropped)
             out.stats.update({f"validation: reached by driving a form: {k}": n for k, n in checked.driven.items()})
-    if app is not None and app.name in settings.deep_search_apps and settings.deep_search_queries:
-        with BrowserEnv(chromium=chromium, viewport="desktop", on_observe=watch("desktop")) as env:  # a desktop app's menus
-            searched = deep_search_queries(app, env, run_id=run_id, commander=commander,
-                                           max_depth=settings.deep_search_depth)
-        rng = random.Random(f"{settings.seed}:{app.name}")
-        chosen = sorted(rng.sample(searched.rows, min(settings.deep_search_queries, len(searched.rows))),
-                        key=lambda q: q.query_id)
-        found += chosen
-        out.dropped.update(searched.dropped)
-        out.stats.update({f"deep search: {k}": n for k, n in searched.stats.items()})
-        out.stats[f"deep search: {app.name}: pathways found"] += len(searched.pathways)
-        out.stats[f"deep search: {app.name}: pathways beyond deep_search_queries"] += len(searched.rows) - len(chosen)
-        out.models.update(searched.models)
-        out.prompts.update(searched.prompts)
+        if kind.name in settings.deep_search_apps and settings.deep_search_queries:
+            desktop = site.wrap(stack.enter_context(BrowserEnv(  # a desktop app's menus
+                chromium=chromium, viewport="desktop", on_observe=watch("desktop"))))
+            found += _deep_search(spec, site.base_url, desktop, settings, commander, out, run_id=run_id)
     return found
+
+
+def _deep_search(spec: AppSpec, base_url: str, env: BrowserEnv, settings: QueryGenSettings,
+                 commander: Commander | None, out: StageOutput, *, run_id: str) -> list[Query]:
+    """A seeded sample of `settings.deep_search_queries` of the queries deep search makes on the live app."""
+    searched = deep_search_queries(spec, base_url, env, run_id=run_id, commander=commander,
+                                   max_depth=settings.deep_search_depth)
+    rng = random.Random(f"{settings.seed}:{spec.app}")
+    chosen = sorted(rng.sample(searched.rows, min(settings.deep_search_queries, len(searched.rows))),
+                    key=lambda q: q.query_id)
+    out.dropped.update(searched.dropped)
+    out.stats.update({f"deep search: {k}": n for k, n in searched.stats.items()})
+    out.stats[f"deep search: {spec.app}: pathways found"] += len(searched.pathways)
+    out.stats[f"deep search: {spec.app}: pathways beyond deep_search_queries"] += len(searched.rows) - len(chosen)
+    out.models.update(searched.models)
+    out.prompts.update(searched.prompts)
+    return chosen
 
 
 # ---------------------------------------------------------------- the stage

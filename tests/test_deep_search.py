@@ -152,9 +152,9 @@ def test_each_pathway_replays_from_a_fresh_session_to_its_surface(search: DeepSe
 
 
 @pytest.mark.browser
-def test_replay_policy_completes_the_generated_queries(writer: BundledApp, env: BrowserEnv, found: SearchResult,
-                                                       tmp_path: Path) -> None:
-    out = deep_search_queries(writer, env, run_id="r")
+def test_replay_policy_completes_the_generated_queries(writer: BundledApp, server: AppServer, env: BrowserEnv,
+                                                       found: SearchResult, tmp_path: Path) -> None:
+    out = deep_search_queries(writer.spec, server.base_url, env, run_id="r")
     rows = out.rows
     assert [json.loads(q.checker_params_json)["surface"] for q in rows] == [name for _, _, name in SURFACES]
     assert out.dropped == {"writer: menu endpoint: nothing the surface_opened checker can read": 6,
