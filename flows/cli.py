@@ -186,17 +186,29 @@ def run(
     app_dir: Annotated[list[Path] | None, typer.Option(
         "--app-dir", help="Your own app's directory (repeatable): the run makes queries for these apps only, "
         "instead of the configured ones.")] = None,
+    deep_search: Annotated[bool, typer.Option(
+        "--deep-search", help="With --app-dir: also search those apps' menus, tabs and dialogs on the live app for "
+        "deep-search queries (query_gen.deep_search_apps).")] = False,
 ) -> None:
     """Run the nightly pipeline, or rerun a single stage on a chosen input version."""
+    from trajforge.envs.appdir import load_app_dir
     from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity
     from trajforge.tasks.prefect_tasks import run_workspace
 
     if stage != "nightly" and stage not in STAGES:
         raise _fail(f"unknown stage {stage!r}; choose nightly or one of: {', '.join(STAGES)}")
+    if deep_search and not app_dir:
+        raise _fail("--deep-search applies to the apps of --app-dir; for configured apps, "
+                    "use query_gen.deep_search_apps")
     if app_dir:
+        try:
+            searched = [load_app_dir(p).name for p in app_dir] if deep_search else []
+        except SpecError as exc:
+            raise _fail(str(exc)) from None
         # As settings in the environment: the flows and every worker process read the config again, and see them.
         os.environ[f"{ENV_PREFIX}QUERY_GEN__APP_DIRS"] = json.dumps([str(p.resolve()) for p in app_dir])
-        os.environ[f"{ENV_PREFIX}QUERY_GEN__APPS"] = os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = "[]"
+        os.environ[f"{ENV_PREFIX}QUERY_GEN__APPS"] = "[]"
+        os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = json.dumps(searched)
     settings, ws = _open(config, models=True)
     cfg = str(config) if config else None
     input_snapshot: int | None = None

@@ -22,12 +22,12 @@ from trajforge.envs import secrets
 from trajforge.envs.appdir import AppDirError, Check, evaluate, load_app_dir, running
 from trajforge.envs.apps import load_app
 from trajforge.envs.axtree import AXNode, render
-from trajforge.envs.kinds import BundledWebKind, kind_for, use_app_dirs
+from trajforge.envs.kinds import BundledWebKind, configured_kinds, kind_for, use_app_dirs
 from trajforge.envs.spec import SpecError
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import generate_queries
 from trajforge.rollout.stage import rollout
-from trajforge.schemas.config import QueryGenSettings, RolloutSettings, Settings
+from trajforge.schemas.config import ConfigError, QueryGenSettings, RolloutSettings, Settings
 from trajforge.schemas.records import Episode, Query
 
 JOTTER = Path(__file__).parents[1] / "examples" / "apps" / "jotter"
@@ -190,6 +190,76 @@ def test_the_notes_app_as_an_app_directory_gives_the_bundled_apps_queries_and_ve
     ok, reason = evaluate(_check({"all": [{"element": {"role": "button", "name": "Unpin"}},
                                           {"url": "/note"}]}), {"note": note}, json.loads(pinned.final_state_json))
     assert ok, reason
+
+
+QUILL = Path(__file__).parents[1] / "examples" / "apps" / "quill"
+WRITER_SURFACES = ["Share document", "Open document", "Page setup", "Find and replace", "Paragraph", "Word count",
+                   "Preferences", "Keyboard shortcuts", "About Writer", "Export as PDF", "Export as plain text",
+                   "Editing", "Appearance"]
+"""The dialogs and Preferences tabs of envs/apps/writer/app.py that a click path from the start page opens, written
+from its source (as in tests/test_deep_search.py)."""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+def test_deep_search_on_an_app_directory_finds_its_dialogs_and_judges_them_on_the_final_tree(chromium: Path,
+                                                                                            tmp_path: Path) -> None:
+    """Writer as an app directory (examples/apps/quill: its menus are not in the spec): deep search on the live app
+    through the directory's server and reset finds every dialog and tab panel, the replay opens each, and the
+    built-in surface_opened check on the final accessibility tree gives the verdict the bundled app's own record of
+    what it showed gives, for its own query and for another's."""
+    config = Settings(query_gen={"apps": [], "app_dirs": [QUILL], "deep_search_apps": ["quill"]})
+    [quill] = configured_kinds(config)
+    settings = QueryGenSettings(num_queries=4, atomic_per_app=0, deep_search_apps=["quill"], deep_search_queries=20)
+    made = generate_queries([quill], run_id="r", settings=settings, chromium=chromium)
+    queries = cast(list[Query], made.rows["queries"])
+    deep = [q for q in queries if q.source == "deep_search"]
+    assert sorted(json.loads(q.checker_params_json)["surface"] for q in deep) == sorted(WRITER_SURFACES)
+    assert {(q.app, q.checker) for q in deep} == {("quill", "surface_opened")}
+    assert made.stats["deep search: quill: pathways found"] > len(deep)  # menus and commands: no query of their own
+    assert [q for q in queries if q.source == "page_graph"]
+
+    replay = RolloutSettings(policy="replay", viewport="desktop", contexts=2, chromium=chromium)
+    episodes = cast(list[Episode], rollout([q.model_dump() for q in queries], run_id="r", settings=replay,
+                                           blobs=BlobStore(tmp_path / "blobs")).rows["episodes"])
+    writer = load_app("writer")
+    by_id = {q.query_id: q for q in queries}
+    assert sorted(by_id) == sorted(e.query_id for e in episodes)
+    for i, episode in enumerate(episodes):
+        q, state = by_id[episode.query_id], json.loads(episode.final_state_json)
+        ok, reason = quill.check(q.checker, json.loads(q.checker_params_json), state)
+        assert episode.status == "terminated" and ok, (q.instruction, reason)
+        recorded = state["http"]["session"]["json"]  # the bundled app's own record, surfaces shown included
+        assert writer.check(q.checker, json.loads(q.checker_params_json), recorded)[0]
+        other = by_id[episodes[(i + 1) % len(episodes)].query_id]
+        params = json.loads(other.checker_params_json)
+        assert quill.check(other.checker, params, state)[0] is writer.check(other.checker, params, recorded)[0], (
+            q.instruction, other.instruction)
+
+
+def test_deep_search_needs_an_app_that_is_served() -> None:
+    with pytest.raises(ConfigError, match="deep_search_apps: quill is neither in query_gen.apps nor an app of "):
+        configured_kinds(Settings(query_gen={"apps": ["notes"], "deep_search_apps": ["quill"]}))
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+def test_the_cli_deep_searches_an_app_directory_when_asked(tmp_path: Path, trajforge_cli: str) -> None:
+    """`run query_gen --app-dir DIR --deep-search` writes the directory's deep-search queries (the configured
+    deep_search_apps, Writer by default, is not served then); without --app-dir the flag is refused."""
+    (tmp_path / "trajforge.yaml").write_text("query_gen:\n  num_queries: 1\n  atomic_per_app: 0\n"
+                                             "  validate_interface: false\n  deep_search_queries: 3\n")
+    proc = subprocess.run([trajforge_cli, "run", "query_gen", "--app-dir", str(QUILL), "--deep-search"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    queries = Workspace.open(Settings(warehouse={"path": tmp_path / "data" / "warehouse"})).catalog.latest(
+        "queries")[0]
+    assert sorted(zip(queries["app"], queries["source"], strict=True)) == [
+        ("quill", "deep_search")] * 3 + [("quill", "page_graph")]
+    refused = subprocess.run([trajforge_cli, "run", "query_gen", "--deep-search"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--deep-search applies to the apps of --app-dir" in refused.stdout + \
+        refused.stderr
 
 
 @pytest.mark.browser
