@@ -9,8 +9,9 @@ that are no page (.json, .csv...) are not followed. Only links are followed, by 
 buttons: exploring a live app must not submit its forms or delete its data. What the
 draft holds:
 
-- a page per path, with the title, the fields and buttons seen on it (for the user to
-  turn into slots and transitions that submit);
+- a page per path, with the title, the fields and buttons seen on it, and a slot per
+  field whose one value is a TODO (for the user to fill with values the app accepts, and
+  to use in a transition that types them and clicks the button that submits);
 - a transition per link of the breadth-first tree (so the graph is acyclic); where
   several links of a page lead to one path (a list of notes, each opening /note), one
   transition clicks `{slot}` and the slot lists the links' names;
@@ -101,6 +102,20 @@ def _read(env: BrowserEnv, url: str, page: _Page, origin: str) -> None:
             page.links[folder + "/{item}"] = (where, [n for k in keys for n in page.links.pop(k)[1]])
 
 
+def _input_slots(page_id: str, fields: list[str], taken: set[str]) -> dict[str, list[str]]:
+    """A slot per field of a page (page id and field name, unless `taken`), its one value a TODO: a form task types
+    slots, and only the user knows which values the app accepts. A slot no transition uses is never sampled, so the
+    draft still checks out as written."""
+    out: dict[str, list[str]] = {}
+    for name in fields:
+        base = "_".join([page_id, *(w for w in re.split(r"[^a-z0-9]+", name.lower()) if w)])
+        slot, n = base, 2
+        while slot in taken or slot in out:
+            slot, n = f"{base}_{n}", n + 1
+        out[slot] = [f"TODO: values to type into {name!r}"]
+    return out
+
+
 def explore(env: BrowserEnv, start_url: str, *, name: str, max_pages: int = 12) -> dict[str, Any]:
     """The draft spec of the app `name` at `start_url` (a mapping, written as spec.yaml by `write_draft`)."""
     parts = urlsplit(start_url)
@@ -131,14 +146,17 @@ def explore(env: BrowserEnv, start_url: str, *, name: str, max_pages: int = 12) 
                                 "actions": [{"op": "click", "role": "link", "name": f"{{{slot}}}"}]})
     spec_pages: dict[str, Any] = {}
     checks: dict[str, Any] = {}
+    taken = {slot for page_slots in slots.values() for slot in page_slots}  # a slot's name is one across the spec
     for key, page in pages.items():
         described = "".join([f"The page '{page.title}'",
                              f", with the fields {', '.join(page.fields)}" if page.fields else "",
                              f" and the buttons {', '.join(page.buttons)}" if page.buttons else "", "."])
         entry: dict[str, Any] = {"url": page.path, "description": described,
                                  "purpose": "TODO: what a user comes to this page to do."}
-        if slots.get(page.page_id):
-            entry["slots"] = slots[page.page_id]
+        inputs = _input_slots(page.page_id, page.fields, taken)
+        taken |= set(inputs)
+        if slots.get(page.page_id) or inputs:
+            entry["slots"] = {**slots.get(page.page_id, {}), **inputs}
         if page is not start:
             check = f"on_{page.page_id}"
             slot = reached_by_slot.get(page.page_id)
@@ -159,7 +177,8 @@ HEADER = """\
 # - describe each page and its purpose;
 # - the goals here only open pages (their checks read the final URL): add the tasks that
 #   change the app's state, with their form transitions (op: type, check, click on a button)
-#   and slots, and check them through the app's JSON (state: and http checks);
+#   and slots (each field seen has a slot: replace its TODO with values the app accepts),
+#   and check them through the app's JSON (state: and http checks);
 # - serve: give command and url instead of base_url to have trajforge start the app;
 #   reset: a URL or command that puts the app back in its initial state, if a fresh
 #   browser context does not.

@@ -296,6 +296,9 @@ def test_apps_init_drafts_a_spec_that_apps_check_passes_as_written(tmp_path: Pat
         opened = [t for t in draft.spec.transitions if t.target == "note"]
         assert [(a.op, a.role, a.name) for t in opened for a in t.actions] == [("click", "link", "{note}")]
         assert {"notes_new", "note", "note_edit"} <= set(draft.spec.goal_pages())
+        # The inputs it saw are slots to fill in (a TODO each), for the form tasks the user adds.
+        assert draft.spec.pages["notes_new"].slots["notes_new_title"] == ["TODO: values to type into 'Title'"]
+        assert "home_search_notes" in draft.spec.pages["home"].slots
         check = subprocess.run([trajforge_cli, "apps", "check", str(tmp_path / "jot")], cwd=tmp_path,
                                capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
