@@ -217,11 +217,12 @@ def configured_kinds(settings: Settings) -> list[AppKind]:
     """The kinds the config asks queries of: its bundled apps, its app directories, then the suites it names
     tasks of.
 
-    Validates on the way (an unknown app or MiniWoB++ task, a deep-search app not served raises), so a run can
-    check its config before any work.
+    Validates on the way (an unknown app or MiniWoB++ task, a deep-search app the config names that nothing
+    serves raises), so a run can check its config before any work.
     """
     kinds = [kind_for(name) for name in settings.query_gen.apps] + use_app_dirs(settings.query_gen.app_dirs)
-    if unserved := [a for a in settings.query_gen.deep_search_apps if a not in {k.name for k in kinds}]:
+    asked = "deep_search_apps" in settings.query_gen.model_fields_set  # the default, [writer], applies where served
+    if asked and (unserved := [a for a in settings.query_gen.deep_search_apps if a not in {k.name for k in kinds}]):
         raise ConfigError(f"query_gen.deep_search_apps: {', '.join(unserved)} is neither in query_gen.apps nor an "
                          "app of query_gen.app_dirs, so nothing serves it")
     if settings.query_gen.miniwob_tasks:
