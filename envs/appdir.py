@@ -285,6 +285,7 @@ class AppDir:
     reset: Literal["context"] | ResetBy
     state: dict[str, StateRequest]
     checks: dict[str, Check]
+    """spec.yaml's checks and the built-in ones (`BUILT_IN_CHECKS`) it does not replace."""
     functions: dict[str, CheckFunction] = field(default_factory=dict)
     """The `python` checks' functions, from checkers.py."""
 
@@ -302,10 +303,9 @@ class AppDir:
         query, the shared `interaction` checker on what the recorder reported."""
         if checker == INTERACTION_CHECKER:
             return check_interaction(params, state)
-        checks = {**BUILT_IN_CHECKS, **self.checks}
-        if checker not in checks:
-            raise ValueError(f"app {self.name!r} has no check {checker!r}; known: {', '.join(sorted(checks))}")
-        return evaluate(checks[checker], params, state, self.functions)
+        if checker not in self.checks:
+            raise ValueError(f"app {self.name!r} has no check {checker!r}; known: {', '.join(sorted(self.checks))}")
+        return evaluate(self.checks[checker], params, state, self.functions)
 
 
 def _functions(folder: Path, checks: dict[str, Check]) -> tuple[dict[str, CheckFunction], list[str]]:
@@ -351,6 +351,8 @@ def load_app_dir(path: Path) -> AppDir:
     problems: list[str] = []
     spec = _validated(AppSpec, raw, problems)
     extras = _validated(AppDirFile, extra, problems)
+    if extras is not None:  # the built-in checks, where spec.yaml has none of their name
+        extras = extras.model_copy(update={"checks": {**BUILT_IN_CHECKS, **extras.checks}})
     if spec is not None:
         problems += spec_problems(spec)
     functions: dict[str, CheckFunction] = {}
@@ -367,15 +369,14 @@ def load_app_dir(path: Path) -> AppDir:
 def _cross_problems(spec: AppSpec, extras: AppDirFile) -> list[str]:
     """Names that must agree between the page graph and the checks."""
     problems = []
-    checks = {**BUILT_IN_CHECKS, **extras.checks}
     for page_id, page in spec.pages.items():
         if page.goal is None:
             continue
-        if page.goal.checker not in checks:
+        if page.goal.checker not in extras.checks:
             problems.append(f"pages.{page_id}.goal.checker: no check {page.goal.checker!r} in checks; "
-                            f"known: {', '.join(sorted(checks))}")
+                            f"known: {', '.join(sorted(extras.checks))}")
             continue
-        for template in _templates(checks[page.goal.checker]):
+        for template in _templates(extras.checks[page.goal.checker]):
             for slot in placeholders(template) - set(page.goal.params):
                 problems.append(f"checks.{page.goal.checker}: {{{slot}}} is not one of pages.{page_id}.goal.params "
                                 f"({', '.join(sorted(page.goal.params)) or 'none'})")

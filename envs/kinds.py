@@ -222,7 +222,8 @@ def configured_kinds(settings: Settings) -> list[AppKind]:
     """
     kinds = [kind_for(name) for name in settings.query_gen.apps] + use_app_dirs(settings.query_gen.app_dirs)
     asked = "deep_search_apps" in settings.query_gen.model_fields_set  # the default, [writer], applies where served
-    if asked and (unserved := [a for a in settings.query_gen.deep_search_apps if a not in {k.name for k in kinds}]):
+    served = {k.name for k in kinds}
+    if asked and (unserved := [a for a in settings.query_gen.deep_search_apps if a not in served]):
         raise ConfigError(f"query_gen.deep_search_apps: {', '.join(unserved)} is neither in query_gen.apps nor an "
                          "app of query_gen.app_dirs, so nothing serves it")
     if settings.query_gen.miniwob_tasks:
