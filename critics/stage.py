@@ -47,8 +47,11 @@ def _check_models(settings: CriticSettings, gateway: Gateway | None) -> None:
     if named and gateway is None:
         raise ValueError("critic models are configured but the critics stage was given no gateway")
     for model in named:
-        if gateway is not None and model not in gateway.backends:
-            raise ValueError(f"critics: no model named {model!r} (configured: {', '.join(gateway.backends)})")
+        if gateway is not None:
+            try:
+                gateway.backend(model)
+            except ValueError as exc:
+                raise ValueError(f"critics: {exc}") from None
 
 
 def judge(

@@ -99,7 +99,7 @@ def multimodal_channel(
     """
     if model is None:
         return not_asked("no vision model configured (critics.multimodal_model)")
-    if not gateway.backends[model].sees_images:
+    if not gateway.sees_images(model):
         return not_asked(f"model {model!r} does not take images (an endpoint needs vision: true)")
     images = [ImagePart(sha256=sha) for sha in screenshots]
     return _ask(gateway, model, MULTIMODAL_PROMPT, task=task, summaries=summaries, screenshots=images)

@@ -73,7 +73,8 @@ def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:
 
 
 class Gateway:
-    """Models by name ('local' and the configured endpoints), with cache, records and re-asks.
+    """Models by name, with cache, records and re-asks: 'local', the configured endpoints, and the checkpoints
+    the loop trains (`backend`).
 
     `db_url` is the catalog's database, where the response cache lives (None: no cache);
     `blobs` resolves images given by hash.
@@ -88,6 +89,7 @@ class Gateway:
         self.backends: dict[str, Backend] = {"local": LocalBackend(settings.local)}
         for name, endpoint in settings.endpoints.items():
             self.backends[name] = OpenAIBackend(name, endpoint, _api_key(name, endpoint))
+        self._backends_lock = threading.Lock()
         self.cache = ResponseCache(db_url) if settings.cache and db_url else None
         self.stats = GatewayStats()
         self._reask = load_prompt("reask")
@@ -104,10 +106,31 @@ class Gateway:
     def sees_images(self, model: str | None = None) -> bool:
         """Whether `model` (default: the configured default) takes screenshots as images; a text-only model
         reads them as OCR text and the accessibility tree instead."""
-        name = model or self.settings.default
-        if name not in self.backends:
-            raise ValueError(f"no model named {name!r} (configured: {', '.join(self.backends)})")
-        return self.backends[name].sees_images
+        return self.backend(model or self.settings.default).sees_images
+
+    def backend(self, name: str) -> Backend:
+        """The backend answering a model name, made on first use: 'local', an endpoint's name, the absolute path
+        of a checkpoint folder (the loop's new model, served in process beside 'local'), or ENDPOINT:MODEL (that
+        endpoint asked for another model its server loads, as a checkpoint the user's server serves). Any other
+        name is a ValueError that lists the configured ones."""
+        with self._backends_lock:
+            if name not in self.backends:
+                self.backends[name] = self._new_backend(name)
+            return self.backends[name]
+
+    def _new_backend(self, name: str) -> Backend:
+        endpoint, _, served = name.partition(":")
+        if served and endpoint in self.settings.endpoints:
+            settings = self.settings.endpoints[endpoint].model_copy(update={"model": served})
+            return OpenAIBackend(name, settings, _api_key(endpoint, settings))
+        if os.path.isabs(name):
+            try:
+                return LocalBackend(self.settings.local.model_copy(update={"model": name}))
+            except FileNotFoundError as exc:
+                raise ValueError(f"model {name!r}: {exc}") from None
+        known = ", ".join(n for n in self.backends if not os.path.isabs(n) and ":" not in n)
+        raise ValueError(f"no model named {name!r} (configured: {known}; or a checkpoint folder's absolute path, "
+                         "or ENDPOINT:MODEL)")
 
     # ------------------------------------------------------------------ calls
 
@@ -131,8 +154,7 @@ class Gateway:
         (a sample whose format is itself scored, as CES rewards it, must not be repaired).
         """
         name = model or self.settings.default
-        if name not in self.backends:
-            raise ValueError(f"no model named {name!r} (configured: {', '.join(self.backends)})")
+        self.backend(name)  # an unknown name fails here, before any work
         if schema is not None and prompt.format == "text":
             raise ValueError(
                 f"{prompt.template}@{prompt.version} declares format 'text'; a schema needs 'json', 'tool_call' or 'think_answer'"
@@ -187,7 +209,7 @@ class Gateway:
         self, name: str, prompt: RenderedPrompt, messages: list[Message], sampling: Sampling,
         constraint: Constraint | None, *, reask: bool
     ) -> CallRecord:
-        backend = self.backends[name]
+        backend = self.backend(name)
         start = time.perf_counter()
         mode = ocr.observation_mode(messages, backend.sees_images)
         observation = f"{mode}:{self.ocr.engine_id}" if mode.startswith("ocr") else mode
