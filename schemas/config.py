@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import string
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -340,6 +341,11 @@ class LLMSettings(_Section):
         return default
 
 
+BUILTIN_TRAINER = "{python} -m trajforge.train.builtin --data {data} --out {out} --base {base} --steps {steps}"
+TRAINER_FIELDS = ("data", "out", "base", "steps", "python")
+"""What `loop.trainer` may name: the trainer command is a template."""
+
+
 class LoopSettings(_Section):
     """The self-evolving loop (paper 2.2.1): which model iteration acts, and which queries count as hard."""
 
@@ -358,6 +364,36 @@ class LoopSettings(_Section):
     max_guided: int = Field(
         default=2, ge=0, description="Hard queries given guidance per run, worst first (each costs model calls)."
     )
+    train: bool = Field(
+        default=False, description="Close the loop (paper 2.2.3): the nightly's last stage trains the next model on "
+        "the night's training tables, and the next night's rollouts use it. `trajforge run train` trains either way.")
+    trainer: str = Field(
+        default=BUILTIN_TRAINER, description="The trainer command, run in the warehouse folder, with {data} (the "
+        "folder of the night's exports: one folder per table in train_format, and text.jsonl, the samples rendered "
+        "as text as a text-only model saw them), {out} (the folder to write the checkpoint into), {base} (the "
+        "model trained from: a folder, or the endpoint's model name), {steps} and {python} filled in. The default "
+        "is the built-in full fine-tune of a small in-process model on text.jsonl (trajforge.train.builtin).")
+    train_steps: int = Field(default=30, gt=0, description="Optimiser steps asked of the trainer ({steps}).")
+    train_format: Literal["ms-swift", "llamafactory", "hf"] = Field(
+        default="ms-swift", description="The export format of each table handed to the trainer.")
+    train_tables: list[str] = Field(
+        default_factory=list, description="The SFT tables trained on; empty: every one the night wrote rows to.")
+    serve: str = Field(
+        default="local", description="Who serves a trained checkpoint: 'local' (the gateway loads the folder in "
+        "process; for small models) or the name of an llm endpoint whose server loads the folder, asked for it "
+        "as its model (ENDPOINT:FOLDER).")
+    checkpoints_dir: Path | None = Field(
+        default=None, description="Where checkpoints are written; default <warehouse>/checkpoints.")
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer_fields(cls, trainer: str) -> str:
+        names = {name for _, name, _, _ in string.Formatter().parse(trainer) if name is not None}
+        unknown, missing = names - set(TRAINER_FIELDS), {"data", "out"} - names
+        if unknown or missing:
+            raise ValueError(f"the command's fields are {{{'}, {'.join(TRAINER_FIELDS)}}}: "
+                             + (f"unknown {sorted(unknown)}" if unknown else f"{sorted(missing)} missing"))
+        return trainer
 
     @field_validator("models")
     @classmethod

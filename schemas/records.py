@@ -773,11 +773,35 @@ class CESStateTrackerChat(CESChat):
     table: ClassVar[str] = "ces_state_tracker_sft"
 
 
+class Checkpoint(Record):
+    """A model the loop trained (paper 2.2.3, eq. 2: M(k+1) = Train(M(k), T(k))): what it was trained from and on,
+    and the name the next night's policy asks it by."""
+
+    table: ClassVar[str] = "checkpoints"
+    key: ClassVar[str] = "model_id"
+
+    model_id: str = Field(description="The id its answers are recorded under, and its model name in the gateway: "
+                          "the checkpoint folder (served in process), or ENDPOINT:FOLDER (served by that endpoint).")
+    checkpoint_hash: str = Field(description="sha256 over the folder's files, names and bytes: the same id naming "
+                                 "other weights is told apart.")
+    folder: str
+    served_by: str = Field(description="'local' (the gateway loads the folder) or the llm endpoint that serves it.")
+    base_model_id: str = Field(description="M(k): the policy model of the night whose data trained it.")
+    root_model_id: str = Field(description="The configured policy model the chain of checkpoints started from; "
+                               "a night follows the latest checkpoint of its own root.")
+    trained_on: list[str] = Field(description="The training table versions it was trained on, as TABLE@SNAPSHOT.")
+    samples: int = Field(ge=0, description="Training samples handed to the trainer, over all tables.")
+    steps: int = Field(gt=0, description="loop.train_steps: the optimiser steps asked of the trainer.")
+    trainer: str = Field(description="The trainer command as run, secrets masked.")
+    seconds: float = Field(ge=0, description="Wall time of the trainer command.")
+    created_at: datetime
+
+
 RECORDS: dict[str, type[Record]] = {
     m.table: m
     for m in (Query, Page, Episode, Step, StepCritique, Verdict, QueryAttempt, ReplayEntry, Guidance, TrainingStep,
               GroundingSample, ActionSemantics, Manual, Plan, GroundingChat, SemanticsChat, PlanningChat,
               ReasoningSample, ReasoningChat, ManagerChat, WorkerChat, ReflectorChat,
               NotetakerChat, QValueSample, QGroup, PalUITeacher, PalUIChat, CESCoordinatorGroup,
-              CESStateTrackerGroup, CESCoordinatorChat, CESStateTrackerChat)
+              CESStateTrackerGroup, CESCoordinatorChat, CESStateTrackerChat, Checkpoint)
 }

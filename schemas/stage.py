@@ -81,6 +81,8 @@ class StageDef(Generic[W, U]):
     shard_size: Callable[[Settings], int]
     workers: Callable[[Settings], int] = lambda s: 1
     """Shards run at once on the thread engine (`runner.engine: threads`); on Dask, the cluster's workers."""
+    enabled: Callable[[Settings], bool] = lambda s: True
+    """Whether the nightly runs it (the loop's `train` runs with `loop.train`); `trajforge run STAGE` always does."""
     summary: Callable[[dict[str, int]], str | None] | None = None
     """One line for the person watching the run, from the stage's summed counts (its lineage's stats); the
     flow prints it after the commit."""
