@@ -230,18 +230,113 @@ def render_step_datasets(ws: Workspace, run_id: str) -> list[str]:
     return ["## Step-level datasets (companion papers)", "", *lines, ""] if lines else []
 
 
-def render_iterations(history: pl.DataFrame) -> list[str]:
-    """The loop's iterations side by side: each policy model's attempts and success rate over every night."""
-    if history.height == 0:
+HASH_CHARS = 12
+"""A checkpoint hash is shown by its first characters, enough to tell two sets of weights apart by eye."""
+
+COMPARED_QUERIES = 30
+"""Rows of the per-query comparison of two iterations: the queries that moved most (a night has hundreds)."""
+
+
+def render_iterations(history: pl.DataFrame, checkpoints: pl.DataFrame, run_id: str) -> list[str]:
+    """The self-evolving loop (paper 2.2.3): each iteration's policy model and what trained it, which model made
+    this night's rollouts and which one the night trained for the next, and the newest iteration against the one
+    before it on the same queries. `history`: every query_history row; `checkpoints`: every checkpoints row."""
+    trained = checkpoints.filter(pl.col("run_id") == run_id)
+    if history.height == 0 and trained.height == 0:
         return []
-    lines = ["## Model iterations", "", "| iteration | policy model | nights | attempts | success |",
-             "| --- | --- | --- | --- | --- |"]
+    by_model = _checkpoint_of(checkpoints)
+    return ["## Model iterations", "", *_iteration_table(history, by_model), "### This night", "",
+            *_this_night(history.filter(pl.col("run_id") == run_id), trained, by_model),
+            *_compare_iterations(history, run_id)]
+
+
+def _checkpoint_of(checkpoints: pl.DataFrame) -> dict[str, dict]:
+    """Model id -> its checkpoints row; a model id trained again names its latest weights."""
+    return {row["model_id"]: row for row in checkpoints.sort("created_at").iter_rows(named=True)}
+
+
+def _trained_from(checkpoint: dict) -> str:
+    """The short hash and the base model: which weights, and which night's policy the data came from."""
+    return f"{checkpoint['checkpoint_hash'][:HASH_CHARS]} from {checkpoint['base_model_id']}"
+
+
+def _iteration_table(history: pl.DataFrame, by_model: dict[str, dict]) -> list[str]:
+    """Each iteration's policy model over every night; a trained one with its hash, base model and table versions,
+    so a change in success can be traced to the data that made it."""
+    lines = ["| iteration | policy model | checkpoint | trained on | nights | attempts | success |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     grouped = history.group_by("iteration", "model_id").agg(
         pl.col("run_id").n_unique().alias("nights"), pl.len().alias("n"), pl.col("success").sum().alias("ok"))
     for row in grouped.sort("iteration", "model_id").iter_rows(named=True):
-        lines.append(f"| {row['iteration']} | {row['model_id']} | {row['nights']} | {row['n']} | "
-                     f"{_rate(row['ok'], row['n'])} |")
+        checkpoint = by_model.get(row["model_id"])
+        made = f"{_trained_from(checkpoint)} | {', '.join(checkpoint['trained_on'])}" if checkpoint else "- | -"
+        lines.append(f"| {row['iteration']} | {row['model_id']} | {made} | {row['nights']} | "
+                     f"{row['n']} | {_rate(row['ok'], row['n'])} |")
     return lines + [""]
+
+
+def _this_night(now: pl.DataFrame, trained: pl.DataFrame, by_model: dict[str, dict]) -> list[str]:
+    """The model(s) that made the night's rollouts and the checkpoint the night trained: the next iteration's."""
+    lines = []
+    for iteration, model_id in now.select("iteration", "model_id").unique().sort("iteration", "model_id").iter_rows():
+        checkpoint = by_model.get(model_id)
+        made = f"checkpoint {_trained_from(checkpoint)}" if checkpoint else "not a trained checkpoint"
+        lines.append(f"- Rollouts: iteration {iteration}, {model_id} ({made}).")
+    if now.height == 0:
+        lines.append("- Rollouts: none judged this night.")
+    for c in trained.sort("created_at").iter_rows(named=True):
+        lines.append(f"- Trained for the next iteration: {c['model_id']} (checkpoint {_trained_from(c)}) on "
+                     f"{', '.join(c['trained_on'])}: {c['samples']} samples, {c['steps']} steps, {c['seconds']:.0f} s.")
+    if trained.height == 0:
+        lines.append("- No checkpoint trained this night (loop.train).")
+    return lines + [""]
+
+
+def _compare_iterations(history: pl.DataFrame, run_id: str, limit: int = COMPARED_QUERIES) -> list[str]:
+    """The night's newest iteration against the iteration before it, over every night, on the queries both
+    attempted: a query only one of them tried would credit a model with an easier (or harder) query set."""
+    now = history.filter(pl.col("run_id") == run_id)
+    older = history.filter(pl.col("iteration") < now["iteration"].max()) if now.height else now  # none: no night
+    if older.height == 0:
+        return []
+    old, newest = older["iteration"].max(), now["iteration"].max()
+    pair = history.filter(pl.col("iteration").is_in([old, newest]))
+    per_query = pair.group_by("query_id", "app").agg(*_attempts_under(old, "old"), *_attempts_under(newest, "new"))
+    shared = per_query.filter((pl.col("n_old") > 0) & (pl.col("n_new") > 0))
+    only_old = per_query.filter(pl.col("n_new") == 0).height
+    only_new = per_query.filter(pl.col("n_old") == 0).height
+    models = {it: ", ".join(sorted(set(pair.filter(pl.col("iteration") == it)["model_id"]))) for it in (old, newest)}
+    lines = [f"### Iteration {newest} against iteration {old} on the same queries", "",
+             (f"Iteration {newest} ({models[newest]}) against iteration {old} ({models[old]}), every night's attempts, "
+              f"on the {shared.height} queries both attempted. Not compared: {only_old} queries attempted under "
+              f"iteration {old} only, {only_new} under iteration {newest} only."), ""]
+    if shared.height == 0:
+        return lines
+    counts = pl.col("n_old", "ok_old", "n_new", "ok_new").sum()
+    per_app = pl.concat([shared.group_by("app").agg(counts).sort("app"),
+                         shared.select(pl.lit("all").alias("app"), counts)])
+    lines += [f"| app | iteration {old} | iteration {newest} | change |", "| --- | --- | --- | --- |"]
+    lines += [_compared(row, row["app"]) for row in per_app.iter_rows(named=True)]
+    moved = shared.sort((pl.col("ok_new") / pl.col("n_new") - pl.col("ok_old") / pl.col("n_old")).abs(), "app",
+                        "query_id", descending=[True, False, False])
+    lines += ["", f"| query | app | iteration {old} | iteration {newest} | change |", "| --- | --- | --- | --- | --- |"]
+    lines += [_compared(row, f"{row['query_id']} | {row['app']}") for row in moved.head(limit).iter_rows(named=True)]
+    if moved.height > limit:
+        lines += ["", f"{moved.height - limit} more queries of both iterations moved less and are not listed."]
+    return lines + [""]
+
+
+def _attempts_under(iteration: int, side: str) -> list[pl.Expr]:
+    """A query's attempts (n_SIDE) and successes (ok_SIDE) under one iteration."""
+    under = pl.col("iteration") == iteration
+    return [under.sum().alias(f"n_{side}"), (under & pl.col("success")).sum().alias(f"ok_{side}")]
+
+
+def _compared(row: dict, label: str) -> str:
+    """A table row of the two iterations' success and its change (rates over attempts, in points)."""
+    change = row["ok_new"] / row["n_new"] - row["ok_old"] / row["n_old"]
+    return (f"| {label} | {_rate(row['ok_old'], row['n_old'])} | {_rate(row['ok_new'], row['n_new'])} | "
+            f"{change:+.0%} |")
 
 
 def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
@@ -249,6 +344,7 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     (rebuilt the same on a resumed run)."""
     history = ws.catalog.load("query_history")
     guidance = ws.catalog.load("guidance").filter(pl.col("run_id") == run_id)
+    checkpoints = ws.catalog.load("checkpoints")  # an empty frame until the train stage first commits
     before = history.filter(pl.col("run_id") != run_id)
     now = history.filter(pl.col("run_id") == run_id)
     loop = ws.settings.loop
@@ -269,7 +365,7 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     path.write_text(report + "\n" + "\n".join(
         render_policy(ws, run_id) + render_yield(ws, run_id) + render_filters(ws, run_id)
         + render_calibration(ws, run_id) + render_reasoning(ws, run_id) + render_step_datasets(ws, run_id)
-        + render_iterations(history) + plots))
+        + render_iterations(history, checkpoints, run_id) + plots))
     return path
 
 
