@@ -423,6 +423,37 @@ def eval_critics(
 
 
 @app.command()
+def checkpoints(
+    model: Annotated[str | None, typer.Option(
+        "--model", help="A checkpoint's model id, folder or hash prefix: list the table versions it was trained on."
+    )] = None,
+    trained_on: Annotated[str | None, typer.Option(
+        "--trained-on", help="TABLE@VERSION: list the checkpoints trained on that version.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """The checkpoints the loop trained (loop.train), and the lineage of one either way."""
+    from trajforge.train import lineage
+
+    _, ws = _open(config)
+    try:
+        if model is not None:
+            for ref in lineage.trained_on(ws.catalog, model):
+                console.print(ref, highlight=False)
+            return
+        rows = lineage.trained_from(ws.catalog, trained_on) if trained_on else lineage.checkpoints(ws.catalog)
+    except CatalogError as exc:
+        raise _fail(str(exc)) from None
+    table = Table(title=f"{rows.height} checkpoint(s)" + (f" trained on {trained_on}" if trained_on else ""))
+    for col in ("created at", "model id", "hash", "trained from", "tables", "samples", "steps", "seconds"):
+        table.add_column(col)
+    for r in rows.iter_rows(named=True):  # the versions themselves: --model HASH
+        table.add_row(f"{r['created_at']:%Y-%m-%d %H:%M:%S}", r["model_id"], r["checkpoint_hash"][:12],
+                      r["base_model_id"], ", ".join(ref.partition("@")[0] for ref in r["trained_on"]),
+                      str(r["samples"]), str(r["steps"]), f"{r['seconds']:.1f}")
+    console.print(table)
+
+
+@app.command()
 def report(
     run_id: Annotated[str | None, typer.Argument(help="A nightly run id (default: the latest nightly run).")] = None,
     config: ConfigOpt = None,

@@ -37,6 +37,10 @@ def preflight(config: str | None, models: bool = True) -> Settings:
         raise ConfigError("runner.engine: dask needs warehouse.catalog_url (a PostgreSQL catalog): the workers "
                           "record their shards in the catalog's database from other processes and machines")
     configured_kinds(settings)
+    serve = settings.loop.serve
+    if serve != "local" and serve not in settings.llm.endpoints:
+        raise ConfigError(f"loop.serve: {serve!r} is neither 'local' nor an llm endpoint "
+                          f"(configured: {', '.join(settings.llm.endpoints) or 'none'})")
     if settings.guidance.demonstrations is not None:  # read by the guidance stage, after query generation
         try:
             load_demonstrations(settings.guidance.demonstrations)
@@ -162,6 +166,8 @@ async def nightly(config: str | None = None, run_id: str | None = None) -> dict[
 async def _nightly(ws: Workspace, run_id: str, config: str | None) -> dict[str, Any]:
     snapshots: dict[str, int] = {}
     for name, stage in STAGES.items():
+        if not stage.enabled(ws.settings):
+            continue
         input_snapshot = snapshots.get(stage.reads) if stage.reads is not None else None
         snapshots |= await STAGE_FLOWS[name](input_snapshot=input_snapshot, run_id=run_id, config=config)
     tag = ws.run_tag(run_id)

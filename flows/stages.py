@@ -29,6 +29,7 @@ NIGHTLY: tuple[str, ...] = (
     "trajforge.synth.pal_ui_sft",  # the night's matched teacher passes, balanced look-back/direct, as chat rows
     "trajforge.synth.ces",  # trusted steps: silver states, coordinator and state-tracker groups scored by an executor
     "trajforge.synth.agentic_q",  # each query's last n judged attempts: levels, step values, SWPO candidate groups
+    "trajforge.train.stage",  # with loop.train: the next model, trained on the night's training tables
 )
 
 

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -46,7 +47,7 @@ from trajforge.rollout.random_policy import RandomPolicy
 from trajforge.rollout.replay import ReplayPolicy
 from trajforge.schemas.config import RolloutSettings, Settings
 from trajforge.schemas.ids import digest
-from trajforge.schemas.records import Episode, Query, Step
+from trajforge.schemas.records import Checkpoint, Episode, Query, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 
 TASK_FIELDS = ("query_id", "app", "instruction", "path", "slots_json", "checker", "checker_params_json", "actions_json",
@@ -84,7 +85,8 @@ def model_identity(settings: Settings, rollout: RolloutSettings) -> dict[str, An
     llm = settings.llm
     model = (llm.local.model if name == "local"
              else llm.endpoints[name].model_dump(mode="json", include={"base_url", "model", "vision",
-                                                                       "structured_output"}))
+                                                                       "structured_output"})
+             if name in llm.endpoints else name)  # a checkpoint the loop trained: its folder
     return {"name": name, "model": model, "reask": llm.reask, "constrain": llm.constrain}
 
 
@@ -267,12 +269,39 @@ class RolloutUnit:
     """`attempt_key` of its attempts this night, stamped on their episodes."""
 
 
-def night_settings(settings: Settings) -> RolloutSettings:
-    """The rollout settings of this night: `rollout`, its model replaced by the configured loop iteration's."""
-    iteration_model = settings.loop.models.get(settings.loop.iteration)
-    if iteration_model is None:
-        return settings.rollout
-    return settings.rollout.model_copy(update={"model": iteration_model})
+def night_settings(ws: Workspace) -> RolloutSettings:
+    """The rollout settings of this night: `rollout` with its model replaced by the configured loop iteration's
+    (`loop.models`) or, with `loop.train`, by the latest checkpoint the loop trained from it."""
+    settings = ws.settings
+    model = settings.loop.models.get(settings.loop.iteration)
+    if model is None and settings.loop.train:
+        latest = latest_checkpoint(ws)
+        model = latest.model_id if latest is not None else None
+    return settings.rollout if model is None else settings.rollout.model_copy(update={"model": model})
+
+
+def policy_model(ws: Workspace) -> str:
+    """The gateway name of the night's policy model, M(k) of the loop."""
+    return night_settings(ws).model or ws.settings.llm.default
+
+
+def latest_checkpoint(ws: Workspace) -> Checkpoint | None:
+    """The newest checkpoint the loop trained from the configured policy model (its chain's root), or None.
+
+    A checkpoint served in process whose folder is gone is an error that says so: rolling out with the base
+    model instead would number its attempts as the wrong iteration."""
+    root = ws.gateway.backend(ws.settings.rollout.model or ws.settings.llm.default).model_id
+    rows = ws.catalog.load("checkpoints")
+    if rows.height == 0:
+        return None
+    mine = rows.filter(pl.col("root_model_id") == root).sort("created_at")
+    if mine.height == 0:
+        return None
+    latest = Checkpoint.model_validate(mine.row(-1, named=True))
+    if latest.served_by == "local" and not (Path(latest.folder) / "config.json").is_file():
+        raise FileNotFoundError(f"loop.train: the latest checkpoint trained from {root}, {latest.folder}, is gone "
+                                "(no config.json); restore it, or delete its row's night, or set loop.train: false")
+    return latest
 
 
 def attempts_held(ws: Workspace) -> set[tuple[str, int]]:
@@ -314,7 +343,7 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
                     for r in rows.select("query_id", "guidance_id", "text").to_dicts()}
         if guidance:
             snapshots["guidance"] = info.snapshot_id
-    settings = night_settings(ws.settings)
+    settings = night_settings(ws)
     held = attempts_held(ws) if not settings.reroll_identical and frame.height else set()
     specs: dict[str, str] = {}
     on_devices: set[str] = set()  # a device's screen and state drift (its clock, for one): always rolled again
@@ -376,7 +405,7 @@ def rollout_summary(stats: dict[str, int]) -> str | None:
 
 def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
     """Rollouts by the configured model iteration's model, guided where the run wrote guidance."""
-    settings = night_settings(ws.settings)
+    settings = night_settings(ws)
     guidance = {u.query.query_id: (u.guidance.guidance_id, u.guidance.text) for u in units if u.guidance}
     out = rollout([u.query for u in units], run_id=run_id, settings=settings, blobs=ws.blobs, gateway=ws.gateway,
                   guidance=guidance, seed_base=units[0].seed_base if units else "")

@@ -43,6 +43,8 @@ from trajforge.envs import apps as bundled_apps
 from trajforge.envs.android import APP as ANDROID
 from trajforge.envs.apps.registry import known_apps
 from trajforge.envs.miniwob import APP as MINIWOB
+from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.ocr import OcrReader
 from trajforge.schemas.records import RECORDS, CESGroup, ChatSample, QGroup, QValueSample, TrainingStep
 
 
@@ -93,9 +95,10 @@ class Sample:
     meta: dict[str, Any]
 
 
-def export(catalog: Catalog, ref: str, fmt: str, out: Path) -> ExportResult:
+def export(catalog: Catalog, ref: str, fmt: str, out: Path, *, added_only: bool = False) -> ExportResult:
     """Write exactly the version `ref` (TABLE@VERSION: snapshot id, tag or latest) of an SFT table to `out` in
-    the trainer format `fmt`."""
+    the trainer format `fmt`; with `added_only`, only the rows the run behind that version wrote (the night's
+    data, `Catalog.rows_added`), as the loop trains on."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     if fmt == "verl":
@@ -111,12 +114,47 @@ def export(catalog: Catalog, ref: str, fmt: str, out: Path) -> ExportResult:
     table, snapshot = resolve_version(catalog, ref)
     out = Path(out)
     with staged(out) as tmp:
-        rows = catalog.load(table, snapshot).iter_rows(named=True)
-        samples = [_sample(row, f"{table}@{snapshot}") for row in rows]
+        frame = catalog.rows_added(table, snapshot)[0] if added_only else catalog.load(table, snapshot)
+        samples = [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
         notes = _write_hf(tmp, samples) if fmt == "hf" else _write_jsonl(tmp, samples, table, fmt)
+        if added_only:
+            notes.append(f"Only the {len(samples)} rows the run behind snapshot {snapshot} added to the table.")
         write_card(tmp, catalog, table, snapshot, rows=len(samples), fmt=fmt, extra=notes)
     return ExportResult(out=out, table=table, snapshot=snapshot, rows=len(samples),
                         images=sum(len(s.images) for s in samples), card=out / "README.md")
+
+
+def text_samples(catalog: Catalog, ref: str, reader: OcrReader, *, added_only: bool = False) -> list[dict[str, Any]]:
+    """The version's rows as a text-only model reads them, in TRL's conversational prompt/completion format with
+    one sample per assistant answer (the turns before it are its prompt), plus `table` and `sample_id`.
+
+    Each image becomes its OCR text, and a one-screenshot row of a step (the policy's own prompt: train_e2e,
+    train_reasoning) gets that step's accessibility tree beside it: what the gateway showed the embedded model
+    at rollout (`OcrReader.as_text`). The night's screens are in the OCR cache already, so this reads no new
+    image."""
+    table, snapshot = resolve_version(catalog, ref)
+    frame = catalog.rows_added(table, snapshot)[0] if added_only else catalog.load(table, snapshot)
+    samples = [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
+    trees = _ax_trees(catalog, {s.meta["step_id"] for s in samples if "step_id" in s.meta and len(s.images) == 1})
+    out: list[dict[str, Any]] = []
+    for s in samples:
+        tree = trees.get(s.meta.get("step_id", "")) if len(s.images) == 1 else None
+        pngs = iter(s.images)
+        messages = [Message(role=m["role"], content=[ImagePart(png=next(pngs), ax_tree=tree) if p["type"] == "image"
+                                                     else TextPart(text=p["text"]) for p in m["content"]])
+                    for m in s.messages]
+        shown = [{"role": m.role, "content": m.text} for m in reader.as_text(messages)]
+        out += [{"prompt": shown[:i], "completion": [m], "table": table, "sample_id": s.meta.get("sample_id")}
+                for i, m in enumerate(shown) if m["role"] == "assistant"]
+    return out
+
+
+def _ax_trees(catalog: Catalog, step_ids: set[str]) -> dict[str, str]:
+    """step_id -> the accessibility tree before the step, for the steps named."""
+    if not step_ids:
+        return {}
+    steps = catalog.scan("steps").filter(pl.col("step_id").is_in(sorted(step_ids)))
+    return dict(steps.select("step_id", "ax_tree_before").collect().iter_rows())
 
 
 def resolve_version(catalog: Catalog, ref: str) -> tuple[str, int]:

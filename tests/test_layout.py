@@ -41,6 +41,7 @@ ROOM_TIERS: tuple[tuple[str, ...], ...] = (
     ("critics",),
     ("guidance",),
     ("synth",),
+    ("train",),
     ("tasks",),
     ("flows",),
 )

@@ -1,0 +1,124 @@
+"""The loop's train stage through the CLI, with a user's trainer command: a night on the shop app with the replay
+policy and `loop.train` hands its training tables to `tests/fixtures/user_trainer.py`, registers the checkpoint
+it writes, and the next rollout acts with that checkpoint as a new model iteration (real browser, Prefect,
+catalog, and the embedded model's weights loaded from the checkpoint folder)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import polars as pl
+import pytest
+from conftest import REPLAY_NIGHT_CONFIG, require
+from test_pipeline import by_policy, cli, workspace
+
+from trajforge.llm.local import missing_models, smollm2_folder
+from trajforge.schemas.config import ConfigError, LocalModelSettings, load_settings
+from trajforge.synth.handoff import SFT_TABLES
+from trajforge.train.stage import folder_hash
+
+pytestmark = pytest.mark.browser
+
+USER_TRAINER = Path(__file__).parent / "fixtures" / "user_trainer.py"
+LOOP = f"""
+loop:
+  train: true
+  train_steps: 3
+  trainer: "{{python}} {USER_TRAINER} {{data}} {{out}} {{base}} {{steps}}"
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, chromium, trajforge_cli) -> Path:
+    """A replay night with loop.train and the user's trainer: its folder."""
+    reason = missing_models()
+    require(reason is None, str(reason))
+    cwd = tmp_path_factory.mktemp("train")
+    (cwd / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG + LOOP)
+    cli(trajforge_cli, cwd, "run", "nightly")
+    return cwd
+
+
+def test_the_users_trainer_gets_the_nights_tables_and_its_checkpoint_is_registered(trained):
+    ws = workspace(trained)
+    (row,) = ws.catalog.load("checkpoints").iter_rows(named=True)
+    run_id = row["run_id"]
+    night = {t: i.snapshot_id for t in SFT_TABLES for i in ws.catalog.history(t)
+             if i.lineage is not None and i.lineage.run_id == run_id and i.added_rows > 0}
+    assert row["trained_on"] == sorted(f"{t}@{v}" for t, v in night.items()) and "train_e2e" in night
+    folder = Path(row["folder"])
+    received = json.loads((folder / "received.json").read_text())
+    # Each table reached the trainer as its ms-swift export, with exactly the rows the night added to it.
+    assert received["tables"] == {t: ws.catalog.rows_added(t, v)[0].height for t, v in night.items()}
+    assert received["tables"]["train_e2e"] > 0 and received["steps"] == 3
+    assert received["base"] == str(smollm2_folder(LocalModelSettings().cache_dir))
+    assert received["text_samples"] == row["samples"] >= sum(received["tables"].values())
+    assert row["checkpoint_hash"] == folder_hash(folder) and row["model_id"] == str(folder)
+    assert row["base_model_id"] == row["root_model_id"] == "SmolLM2-135M-Instruct.Q4_1"
+    assert "user_trainer.py" in row["trainer"] and str(folder) not in row["trainer"]  # {out} was a temporary
+    # The checkpoint is the night's: tagged with its other versions.
+    (info,) = ws.catalog.history("checkpoints")
+    assert info.tags == ws.catalog.history("train_e2e")[-1].tags
+
+
+def test_text_samples_show_screens_as_the_text_only_model_saw_them(trained):
+    ws = workspace(trained)
+    (row,) = ws.catalog.load("checkpoints").iter_rows(named=True)
+    data = ws.catalog.warehouse / "train" / Path(row["folder"]).name
+    samples = [json.loads(line) for line in (data / "text.jsonl").read_text().splitlines()]
+    e2e = [s for s in samples if s["table"] == "train_e2e"]
+    assert e2e and all(s["completion"][0]["role"] == "assistant" for s in samples)
+    user = e2e[0]["prompt"][-1]["content"]
+    assert "[Screenshot 1, shown as OCR text" in user and "[Accessibility tree of screenshot 1]" in user
+    # The answer is the step's own, as train_e2e holds it.
+    source = ws.catalog.load("train_e2e").filter(pl.col("sample_id") == e2e[0]["sample_id"])
+    answer = json.loads(source["messages_json"][0])[-1]["content"][0]["text"]
+    assert e2e[0]["completion"][0]["content"] == answer
+
+
+def test_lineage_from_the_model_and_from_a_training_version(trained, trajforge_cli):
+    ws = workspace(trained)
+    (row,) = ws.catalog.load("checkpoints").iter_rows(named=True)
+    listed = cli(trajforge_cli, trained, "checkpoints", "--model", row["checkpoint_hash"][:12]).stdout.split()
+    assert listed == row["trained_on"]
+    (tag,) = [t for t in ws.catalog.history("train_e2e")[-1].tags if t.startswith("nightly-")]
+    shown = cli(trajforge_cli, trained, "checkpoints", "--trained-on", f"train_e2e@{tag}").stdout
+    assert "1 checkpoint(s)" in shown and row["checkpoint_hash"][:12] in shown
+
+
+def test_the_next_rollout_acts_with_the_checkpoint_as_a_new_iteration(trained, trajforge_cli):
+    (trained / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG.replace("policy: replay", "policy: gui_owl_e2e") + LOOP)
+    for stage in ("rollout", "critics", "history"):
+        cli(trajforge_cli, trained, "run", stage)
+    ws = workspace(trained)
+    (row,) = ws.catalog.load("checkpoints").iter_rows(named=True)
+    episodes = by_policy(ws.catalog.load("episodes")).filter(pl.col("policy") == "gui_owl_e2e")
+    assert episodes.height > 0 and set(episodes["model_id"]) == {row["model_id"]}
+    history = ws.catalog.load("query_history")
+    assert dict(history.select("model_id", "iteration").unique().iter_rows()) == {"replay": 0, row["model_id"]: 1}
+
+
+def test_a_trainer_that_fails_names_its_exit_and_log_and_registers_nothing(trained, trajforge_cli):
+    failing = trained / "failing_trainer.py"
+    failing.write_text("import sys\nprint('CUDA out of memory')\nsys.exit(3)\n")
+    (trained / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG + LOOP.replace(str(USER_TRAINER), str(failing))
+                                            + "  train_tables: [train_e2e]\n")
+    proc = subprocess.run([trajforge_cli, "run", "train"], cwd=trained, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "loop.trainer exited 3" in proc.stderr + proc.stdout and "out of memory" in proc.stderr + proc.stdout
+    assert workspace(trained).catalog.load("checkpoints").height == 1
+
+
+def test_a_night_without_loop_train_trains_nothing(replay_night):
+    cwd, _ = replay_night
+    assert workspace(cwd).catalog.history("checkpoints") == []
+    assert not (cwd / "data" / "warehouse" / "train").exists()
+
+
+def test_the_trainer_command_is_checked_when_the_config_loads(tmp_path):
+    path = tmp_path / "trajforge.yaml"
+    path.write_text("loop:\n  trainer: 'swift sft --dataset {dataset} --output_dir {out}'\n")
+    with pytest.raises(ConfigError, match=r"loop.trainer.*unknown \['dataset'\]"):
+        load_settings(path)
