@@ -373,7 +373,7 @@ class LoopSettings(_Section):
         "as text as a text-only model saw them), {out} (the folder to write the checkpoint into), {base} (the "
         "model trained from: a folder, or the endpoint's model name), {steps} and {python} filled in. The default "
         "is the built-in full fine-tune of a small in-process model on text.jsonl (trajforge.train.builtin).")
-    train_steps: int = Field(default=30, gt=0, description="Optimiser steps asked of the trainer ({steps}).")
+    train_steps: int = Field(default=20, gt=0, description="Optimiser steps asked of the trainer ({steps}).")
     train_format: Literal["ms-swift", "llamafactory", "hf"] = Field(
         default="ms-swift", description="The export format of each table handed to the trainer.")
     train_tables: list[str] = Field(
