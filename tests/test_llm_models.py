@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from trajforge.envs.axtree import AXNode
 from trajforge.envs.browser import Observation, Target
 from trajforge.guidance.distill import Outcome
 from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
-from trajforge.llm.local import SMOLLM2_ID, load, missing_models
+from trajforge.llm.local import SMOLLM2_ID, load, missing_models, smollm2_folder
 from trajforge.llm.messages import TextPart
 from trajforge.llm.ocr import OcrReader
 from trajforge.llm.structured import Constraint, ThinkAnswer
@@ -225,6 +226,25 @@ def test_text_endpoint_gets_ocr_text_not_images(smollm2_server, say):
     with Gateway(settings) as gw:  # the server answers 400 to images for a text model: this passes only as text
         result = gw.chat_sync(say.render(question="What does it say?", screenshots=[screenshot("Checkout")]))
     assert result.record.observation_mode == "ocr" and result.record.tokens_in > 30 and result.text.strip()
+
+
+def test_a_checkpoint_is_asked_by_its_folder_in_process_or_from_the_endpoint_that_serves_it(embedded, say, tmp_path):
+    """The names a trained checkpoint goes by (loop.serve): its folder's absolute path, loaded beside 'local',
+    and ENDPOINT:FOLDER, the endpoint's server asked for that model (as vLLM serves a folder by its path)."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(smollm2_folder(LocalModelSettings().cache_dir), folder)
+    with served("--model", str(folder), log=tmp_path / "serve.log") as url:
+        settings = LLMSettings(endpoints={"box": {"base_url": url, "model": SMOLLM2_ID}}, cache=False)
+        with Gateway(settings) as gw:
+            here = gw.chat_sync(say.render(question="Say hi.", screenshots=[]), model=str(folder))
+            there = gw.chat_sync(say.render(question="Say hi.", screenshots=[]), model=f"box:{folder}")
+            with pytest.raises(GatewayError, match="404"):  # the endpoint's own model is not served there
+                gw.chat_sync(say.render(question="Say hi.", screenshots=[]), model="box")
+            with pytest.raises(ValueError, match="no config.json"):
+                gw.chat_sync(say.render(question="Say hi.", screenshots=[]), model=str(tmp_path / "gone"))
+    assert (here.record.backend, here.record.model_id) == ("transformers", str(folder))
+    assert (there.record.backend, there.record.model, there.record.model_id) == ("openai", f"box:{folder}", str(folder))
+    assert here.text.strip() and there.text == here.text  # the same weights, greedy
 
 
 def test_server_refuses_what_it_cannot_do(smollm2_server):
