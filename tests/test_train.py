@@ -30,13 +30,17 @@ loop:
 """
 
 
+CONFIG = REPLAY_NIGHT_CONFIG.replace("num_queries: 2", "num_queries: 1") + LOOP
+"""The replay night on one query (the suite's time is a budget), with the user's trainer."""
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, chromium, trajforge_cli) -> Path:
     """A replay night with loop.train and the user's trainer: its folder."""
     reason = missing_models()
     require(reason is None, str(reason))
     cwd = tmp_path_factory.mktemp("train")
-    (cwd / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG + LOOP)
+    (cwd / "trajforge.yaml").write_text(CONFIG)
     cli(trajforge_cli, cwd, "run", "nightly")
     return cwd
 
@@ -89,7 +93,7 @@ def test_lineage_from_the_model_and_from_a_training_version(trained, trajforge_c
 
 
 def test_the_next_rollout_acts_with_the_checkpoint_as_a_new_iteration(trained, trajforge_cli):
-    (trained / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG.replace("policy: replay", "policy: gui_owl_e2e") + LOOP)
+    (trained / "trajforge.yaml").write_text(CONFIG.replace("policy: replay", "policy: gui_owl_e2e"))
     for stage in ("rollout", "critics", "history"):
         cli(trajforge_cli, trained, "run", stage)
     ws = workspace(trained)
@@ -103,7 +107,7 @@ def test_the_next_rollout_acts_with_the_checkpoint_as_a_new_iteration(trained, t
 def test_a_trainer_that_fails_names_its_exit_and_log_and_registers_nothing(trained, trajforge_cli):
     failing = trained / "failing_trainer.py"
     failing.write_text("import sys\nprint('CUDA out of memory')\nsys.exit(3)\n")
-    (trained / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG + LOOP.replace(str(USER_TRAINER), str(failing))
+    (trained / "trajforge.yaml").write_text(CONFIG.replace(str(USER_TRAINER), str(failing))
                                             + "  train_tables: [train_e2e]\n")
     proc = subprocess.run([trajforge_cli, "run", "train"], cwd=trained, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
