@@ -285,16 +285,18 @@ def policy_model(ws: Workspace) -> str:
     return night_settings(ws).model or ws.settings.llm.default
 
 
+def root_model_id(ws: Workspace) -> str:
+    """The model id of the configured policy model: the root of the loop's chain of checkpoints."""
+    return ws.gateway.backend(ws.settings.rollout.model or ws.settings.llm.default).model_id
+
+
 def latest_checkpoint(ws: Workspace) -> Checkpoint | None:
     """The newest checkpoint the loop trained from the configured policy model (its chain's root), or None.
 
     A checkpoint served in process whose folder is gone is an error that says so: rolling out with the base
     model instead would number its attempts as the wrong iteration."""
-    root = ws.gateway.backend(ws.settings.rollout.model or ws.settings.llm.default).model_id
-    rows = ws.catalog.load("checkpoints")
-    if rows.height == 0:
-        return None
-    mine = rows.filter(pl.col("root_model_id") == root).sort("created_at")
+    root = root_model_id(ws)
+    mine = ws.catalog.load("checkpoints").filter(pl.col("root_model_id") == root).sort("created_at")
     if mine.height == 0:
         return None
     latest = Checkpoint.model_validate(mine.row(-1, named=True))

@@ -111,11 +111,9 @@ def export(catalog: Catalog, ref: str, fmt: str, out: Path, *, added_only: bool 
                    if name in RL_TABLES else "none (it is not a training table)")
         raise ExportError(f"{ref}: {fmt} exports SFT tables only ({', '.join(sorted(SFT_TABLES))}); "
                           f"formats for {name!r}: {applies}")
-    table, snapshot = resolve_version(catalog, ref)
+    table, snapshot, samples = _samples(catalog, ref, added_only)
     out = Path(out)
     with staged(out) as tmp:
-        frame = catalog.rows_added(table, snapshot)[0] if added_only else catalog.load(table, snapshot)
-        samples = [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
         notes = _write_hf(tmp, samples) if fmt == "hf" else _write_jsonl(tmp, samples, table, fmt)
         if added_only:
             notes.append(f"Only the {len(samples)} rows the run behind snapshot {snapshot} added to the table.")
@@ -132,9 +130,7 @@ def text_samples(catalog: Catalog, ref: str, reader: OcrReader, *, added_only: b
     train_reasoning) gets that step's accessibility tree beside it: what the gateway showed the embedded model
     at rollout (`OcrReader.as_text`). The night's screens are in the OCR cache already, so this reads no new
     image."""
-    table, snapshot = resolve_version(catalog, ref)
-    frame = catalog.rows_added(table, snapshot)[0] if added_only else catalog.load(table, snapshot)
-    samples = [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
+    table, _, samples = _samples(catalog, ref, added_only)
     trees = _ax_trees(catalog, {s.meta["step_id"] for s in samples if "step_id" in s.meta and len(s.images) == 1})
     out: list[dict[str, Any]] = []
     for s in samples:
@@ -147,6 +143,13 @@ def text_samples(catalog: Catalog, ref: str, reader: OcrReader, *, added_only: b
         out += [{"prompt": shown[:i], "completion": [m], "table": table, "sample_id": s.meta.get("sample_id")}
                 for i, m in enumerate(shown) if m["role"] == "assistant"]
     return out
+
+
+def _samples(catalog: Catalog, ref: str, added_only: bool) -> tuple[str, int, list[Sample]]:
+    """The table, snapshot and checked rows of `ref`: all of them, or with `added_only` those its run added."""
+    table, snapshot = resolve_version(catalog, ref)
+    frame = catalog.rows_added(table, snapshot)[0] if added_only else catalog.load(table, snapshot)
+    return table, snapshot, [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
 
 
 def _ax_trees(catalog: Catalog, step_ids: set[str]) -> dict[str, str]:

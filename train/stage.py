@@ -37,7 +37,7 @@ import polars as pl
 from trajforge.envs.secrets import mask
 from trajforge.llm.local import SMOLLM2, smollm2_folder
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.stage import policy_model
+from trajforge.rollout.stage import policy_model, root_model_id
 from trajforge.schemas.config import ConfigError, Settings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Checkpoint
@@ -102,12 +102,10 @@ def load_night(ws: Workspace, snapshot: int | None) -> Inputs[TrainUnit]:
     """The one training run of a night, or none when a checkpoint is registered for the same data and base."""
     versions, stats = night_tables(ws, snapshot)
     base = policy_model(ws)
-    gateway_base = ws.gateway.backend(base)
-    root = ws.gateway.backend(ws.settings.rollout.model or ws.settings.llm.default)
-    unit = TrainUnit(versions=versions, base=base, base_model_id=gateway_base.model_id, root_model_id=root.model_id)
+    unit = TrainUnit(versions=versions, base=base, base_model_id=ws.gateway.backend(base).model_id,
+                     root_model_id=root_model_id(ws))
     snapshots = dict(versions)
-    done = ws.catalog.load("checkpoints")
-    if done.height and done.filter(pl.col("model_id").str.ends_with(unit.name)).height:
+    if ws.catalog.load("checkpoints").filter(pl.col("model_id").str.ends_with(unit.name)).height:
         stats["nights already trained on (their checkpoint is registered)"] += 1
         return Inputs([], snapshots, fingerprint=unit.name, stats=stats)
     return Inputs([unit], snapshots, fingerprint=unit.name, stats=stats)
