@@ -368,7 +368,7 @@ class LoopSettings(_Section):
         default=False, description="Close the loop (paper 2.2.3): the nightly's last stage trains the next model on "
         "the night's training tables, and the next night's rollouts use it. `trajforge run train` trains either way.")
     trainer: str = Field(
-        default=BUILTIN_TRAINER, description="The trainer command, run in the warehouse folder, with {data} (the "
+        default=BUILTIN_TRAINER, description="The trainer command, run in the folder {data}, with {data} (the "
         "folder of the night's exports: one folder per table in train_format, and text.jsonl, the samples rendered "
         "as text as a text-only model saw them), {out} (the folder to write the checkpoint into), {base} (the "
         "model trained from: a folder, or the endpoint's model name), {steps} and {python} filled in. The default "
