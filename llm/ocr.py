@@ -21,18 +21,21 @@ import hashlib
 import io
 import json
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
+from PIL import Image
 
 from trajforge.llm.calls import ObservationMode
 from trajforge.llm.local import INSTALL
 from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.ocr_diff import Rect, changed_tiles, reading_order, regions, shifted
 from trajforge.schemas.config import SynthSettings
 
 Box = tuple[float, float, float, float]
@@ -99,10 +102,18 @@ def _words(text: str, chars: tuple[OcrSpan, ...]) -> tuple[OcrSpan, ...]:
     return tuple(words)
 
 
+_RAPID_PARAMS = {"Global.use_cls": False, "Det.limit_type": "max", "Det.limit_side_len": 1280}
+"""rapidocr's settings for screens. Its defaults are for photos of documents: an angle classifier for text
+upside down (never on a screen), and the detector's input scaled so its shortest side is 736, which
+reads a 412x915 phone screen at 736x1635 (2.4 s; 0.9 s at its own size) and would blow a 300x40 changed
+region up to 5520x736. Here a screen or region is read at its own size up to 1280 a side."""
+
+
 def _rapid_id() -> str:
-    """rapidocr's engine id: its wheel's version, which fixes the PP-OCR models it ships (read without loading them)."""
+    """rapidocr's engine id: its wheel's version, which fixes the PP-OCR models it ships (read without loading
+    them), and the settings above."""
     try:
-        return f"rapidocr-{version('rapidocr')}"
+        return f"rapidocr-{version('rapidocr')}/det-max-1280-no-cls"
     except PackageNotFoundError:
         raise OcrBackendMissing(f"OCR backend rapidocr is not installed: {INSTALL}") from None
 
@@ -113,11 +124,11 @@ class _Rapid:
             from rapidocr import RapidOCR
         except ImportError as exc:
             raise OcrBackendMissing(f"OCR backend rapidocr is not installed ({exc}): {INSTALL}") from exc
-        self.engine = RapidOCR(params={"Global.log_level": "error"})
+        self.engine = RapidOCR(params={"Global.log_level": "error", **_RAPID_PARAMS})
         self.id = _rapid_id()
 
-    def __call__(self, png: bytes) -> list[OcrLine]:
-        result = self.engine(png, return_word_box=True, return_single_char_box=True)
+    def __call__(self, rgb: np.ndarray) -> list[OcrLine]:
+        result = self.engine(np.ascontiguousarray(rgb[..., ::-1]), return_word_box=True, return_single_char_box=True)
         if result.txts is None:  # no text on the image
             return []
         lines = []
@@ -148,14 +159,9 @@ class _Paddle:
                                 return_word_box=True)
         self.id = f"paddleocr-{version('paddleocr')}:{Path(det_dir).name}:{Path(rec_dir).name}"
 
-    def __call__(self, png: bytes) -> list[OcrLine]:
-        import numpy as np
-        from PIL import Image
-
-        with Image.open(io.BytesIO(png)) as image:
-            array = np.asarray(image.convert("RGB"))
+    def __call__(self, rgb: np.ndarray) -> list[OcrLine]:
         lines = []
-        for page in self.engine.predict(array):
+        for page in self.engine.predict(rgb):
             for text, score, poly, char_texts, char_boxes in zip(
                 page["rec_texts"], page["rec_scores"], page["rec_polys"],
                 page.get("text_word", [[]] * len(page["rec_texts"])),
@@ -177,13 +183,25 @@ def _decode(lines_json: str) -> tuple[OcrLine, ...]:
     )
 
 
+INCREMENTAL_BASES = 8
+"""Recent screens a new one is compared with (decoded, about 3 MB each at 1280x800)."""
+INCREMENTAL_MAX_AREA = 0.4
+"""Above this share of the screen to read again, a whole read is as cheap and needs no earlier screen."""
+
 class OcrReader:
     """Reads screenshots through one engine, each distinct image once: an in-memory LRU in front of the
-    `trajforge_ocr` table of the catalog's database (None: memory only)."""
+    `trajforge_ocr` table of the catalog's database (None: memory only).
+
+    With `incremental`, a screen that differs from one of the last `INCREMENTAL_BASES` screens it read
+    in under `INCREMENTAL_MAX_AREA` of its area is read as that screen's lines away from the changes
+    plus an OCR of the changed regions (`llm.ocr_diff`); the engine id says so (`+diff`).
+    """
 
     def __init__(self, backend: str = "rapidocr", *, db_url: str | None = None, paddle_det_dir: Path | None = None,
-                 paddle_rec_dir: Path | None = None, memory: int = 256) -> None:
+                 paddle_rec_dir: Path | None = None, memory: int = 256, incremental: bool = True) -> None:
         self.backend = backend
+        self.incremental = incremental
+        self._bases: deque[tuple[np.ndarray, tuple[OcrLine, ...]]] = deque(maxlen=INCREMENTAL_BASES)
         self._paddle_dirs = (paddle_det_dir, paddle_rec_dir)
         self._engine_lock = threading.Lock()  # one ONNX session, used by one thread at a time
         self._memory: OrderedDict[str, tuple[OcrLine, ...]] = OrderedDict()
@@ -192,7 +210,9 @@ class OcrReader:
         if self._db is not None:
             _meta.create_all(self._db)
         self.engine_runs = 0
-        """How many times the engine really ran in this process (a miss of both caches)."""
+        """How many images the engine really read in this process, whole or in part (a miss of both caches)."""
+        self.region_reads = 0
+        """How many of those it read only in their changed regions."""
 
     @functools.cached_property
     def _engine(self) -> _Rapid | _Paddle:
@@ -203,9 +223,8 @@ class OcrReader:
     @property
     def engine_id(self) -> str:
         """Names the OCR that read an image; part of the cache keys of OCR results and of OCR'd model calls."""
-        if self.backend == "rapidocr":
-            return _rapid_id()
-        return self._engine.id
+        engine = _rapid_id() if self.backend == "rapidocr" else self._engine.id
+        return f"{engine}+diff" if self.incremental else engine
 
     def read(self, png: bytes) -> tuple[OcrLine, ...]:
         """The image's text lines, top to bottom as the engine orders them."""
@@ -219,13 +238,42 @@ class OcrReader:
             with self._engine_lock:
                 lines = self._stored(sha, engine_id)  # another thread may have read it meanwhile
                 if lines is None:
-                    lines = tuple(self._engine(png))
+                    lines = self._run_engine(png)
                     self.engine_runs += 1
                     self._store(sha, engine_id, lines)
         self._memory[sha] = lines
         if len(self._memory) > self._memory_size:
             self._memory.popitem(last=False)
         return lines
+
+    def _run_engine(self, png: bytes) -> tuple[OcrLine, ...]:
+        with Image.open(io.BytesIO(png)) as image:
+            rgb = np.asarray(image.convert("RGB"))
+        lines = self._read_changes(rgb) if self.incremental else None
+        if lines is None:
+            lines = tuple(self._engine(rgb))
+        else:
+            self.region_reads += 1
+        if self.incremental:
+            self._bases.append((rgb, lines))
+        return lines
+
+    def _read_changes(self, rgb: np.ndarray) -> tuple[OcrLine, ...] | None:
+        """The screen read against the recent screen of its size that leaves the least to read again, or
+        None when every one leaves more than INCREMENTAL_MAX_AREA (it is read whole)."""
+        height, width = rgb.shape[:2]
+        best: tuple[int, tuple[OcrLine, ...], list[Rect]] | None = None
+        for base, base_lines in self._bases:
+            if base.shape == rgb.shape:
+                kept, rects = regions(changed_tiles(base, rgb), base_lines, width, height)
+                area = sum((x1 - x0) * (y1 - y0) for x0, y0, x1, y1 in rects)
+                if best is None or area < best[0]:
+                    best = (area, kept, rects)
+        if best is None or best[0] > INCREMENTAL_MAX_AREA * width * height:
+            return None
+        _, kept, rects = best
+        read = [line for x0, y0, x1, y1 in rects for line in shifted(self._engine(rgb[y0:y1, x0:x1]), x0, y0)]
+        return reading_order([*kept, *read])
 
     def _stored(self, sha: str, engine_id: str) -> tuple[OcrLine, ...] | None:
         if self._db is None:
@@ -285,11 +333,11 @@ def reader_for(settings: SynthSettings | None = None, db_url: str | None = None)
     """The process's one reader for a backend configuration and database: its memory and engine are shared
     by the gateway, the critics and the synthesis stages."""
     cfg = settings or SynthSettings()
-    key = (cfg.ocr_backend, cfg.paddle_det_dir, cfg.paddle_rec_dir, db_url)
+    key = (cfg.ocr_backend, cfg.paddle_det_dir, cfg.paddle_rec_dir, cfg.ocr_incremental, db_url)
     with _readers_lock:
         if key not in _readers:
             _readers[key] = OcrReader(cfg.ocr_backend, db_url=db_url, paddle_det_dir=cfg.paddle_det_dir,
-                                      paddle_rec_dir=cfg.paddle_rec_dir)
+                                      paddle_rec_dir=cfg.paddle_rec_dir, incremental=cfg.ocr_incremental)
         return _readers[key]
 
 

@@ -432,6 +432,11 @@ class SynthSettings(_Section):
         description="rapidocr ships PP-OCR models in its wheel and runs offline; paddleocr needs its model folders "
         "(`paddle_det_dir`, `paddle_rec_dir`).",
     )
+    ocr_incremental: bool = Field(
+        default=True,
+        description="Read a screen that differs from one of the last few read in a few places as that screen's "
+        "text lines away from the changes plus an OCR of the changed regions only (measured 4x fewer OCR seconds on a "
+        "replay night's screens, benchmarks/ocr_bench.py); false reads every screen whole.")
     paddle_det_dir: Path | None = Field(default=None, description="PaddleOCR text detection model folder.")
     paddle_rec_dir: Path | None = Field(default=None, description="PaddleOCR text recognition model folder.")
     writer: Literal["model", "template"] = Field(

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from trajforge.llm.ocr import OcrBackendMissing, OcrReader, reader_for
+from trajforge.llm.ocr import OcrBackendMissing, OcrLine, OcrReader, reader_for
+from trajforge.llm.ocr_diff import PAD, TILE, changed_tiles, regions
 from trajforge.schemas.config import SynthSettings
 
 FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
 
 
-def page(lines: list[tuple[str, tuple[int, int]]]) -> tuple[bytes, dict[str, tuple[int, int, int, int]]]:
-    """A white image with each text drawn at its place, and each word's drawn box."""
-    image = Image.new("RGB", (480, 200), "white")
+def page(lines: list[tuple[str, tuple[int, int]]],
+         background: str = "white") -> tuple[bytes, dict[str, tuple[int, int, int, int]]]:
+    """An image with each text drawn at its place, and each word's drawn box."""
+    image = Image.new("RGB", (480, 200), background)
     draw = ImageDraw.Draw(image)
     font = ImageFont.truetype(FONT, 24)
     boxes = {}
@@ -74,3 +77,45 @@ def test_a_missing_backend_names_the_install_command(tmp_path):
     png, _ = page([("x", (0, 0))])
     with pytest.raises(OcrBackendMissing, match="pip install paddleocr paddlepaddle|synth.paddle_det_dir"):
         reader.read(png)
+
+
+def test_a_screen_that_changed_in_one_place_is_read_there_only():
+    before, _ = page([("Send message now", (10, 10)), ("Inbox 42", (10, 80)), ("Drafts", (260, 150))])
+    after, drawn = page([("Send message now", (10, 10)), ("Inbox 57", (10, 80)), ("Drafts", (260, 150))])
+    reader = OcrReader()
+    first = reader.read(before)
+    lines = reader.read(after)
+    assert (reader.engine_runs, reader.region_reads) == (2, 1)
+    assert [line.text for line in lines] == ["Send message now", "Inbox 57", "Drafts"]
+    assert lines[0] == first[0] and lines[2] == first[2], "the lines away from the change are the earlier screen's"
+    words = {w.text: w.box for line in lines for w in line.words}
+    x, y, w, h = words["57"]
+    assert inside((x + w / 2, y + h / 2), drawn["57"]), "the region's boxes are placed on the whole screen"
+    assert reader.engine_id.endswith("+diff")
+    whole = OcrReader(incremental=False)
+    assert [line.text for line in whole.read(after)] == [line.text for line in lines]
+    assert whole.region_reads == 0 and not whole.engine_id.endswith("+diff")
+
+
+def test_a_screen_unlike_the_last_ones_is_read_whole():
+    reader = OcrReader()
+    text = [("Inbox", (10, 10)), ("Drafts 7", (200, 60))]
+    reader.read(page(text)[0])
+    lines = reader.read(page(text, background="lightyellow")[0])  # a theme change: every pixel differs
+    assert reader.region_reads == 0
+    assert [line.text for line in lines] == ["Inbox", "Drafts 7"]
+
+
+def test_a_changed_region_takes_in_every_line_it_touches():
+    def line(text: str, box: tuple[float, float, float, float]) -> OcrLine:
+        return OcrLine(text, 1.0, box, (), ())
+
+    lines = (line("title", (10, 10, 200, 20)), line("total 42", (10, 100, 120, 20)),
+             line("pay now", (140, 100, 80, 20)), line("footer", (10, 300, 100, 20)))
+    changed = np.zeros((400 // TILE, 640 // TILE), dtype=bool)
+    changed[104 // TILE, 120 // TILE] = True  # a change in "total 42", beside "pay now"
+    kept, rects = regions(changed, lines, 640, 400)
+    assert [k.text for k in kept] == ["title", "footer"], "the line changed and the one its region met are read again"
+    [(x0, y0, x1, y1)] = rects
+    assert x0 <= 10 - PAD + 1 and x1 >= 220 and y0 <= 100 and y1 >= 120
+    assert not changed_tiles(np.zeros((40, 40, 3), np.uint8), np.zeros((40, 40, 3), np.uint8)).any()

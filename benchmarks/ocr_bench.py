@@ -1,0 +1,91 @@
+"""OCR of a night's screens: every screen read whole against reading only what changed (synth.ocr_incremental).
+
+The screens are a replay night's (reference-replay policy, rule critics, template writers: no model), in
+the order the grounding stage reads them (episode by episode, step by step, then the pages query
+generation saw). Both readers run in this process, memory only, on the same PNGs: first every screen
+whole, then incrementally. Agreement: of the whole reads' lines, words and characters, the share the
+incremental read also has with the same text and a box overlapping it at IoU 0.5 or more.
+
+    python benchmarks/ocr_bench.py [--warehouse DIR] [--apps shop] [--queries 2]
+
+Without --warehouse it runs the night first (about two minutes on 2 cores). Prints a table; never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rapidocr import RapidOCR
+
+from trajforge.llm.ocr import OcrLine, OcrReader, OcrSpan
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import Settings, WarehouseSettings
+from trajforge.synth.grounding import load_screens
+from trajforge.synth.regions import iou
+
+sys.path.insert(0, str(Path(__file__).parent))
+from factory_bench import CONFIG, night  # the factory bench's night, not a copy
+
+
+def read_all(reader: OcrReader, pngs: list[bytes]) -> tuple[float, list[tuple[OcrLine, ...]]]:
+    reader.read(pngs[-1])  # load the models outside the timing (a screen read again later is a miss:
+    reader._memory.clear()  # the memory is cleared and there is no database)
+    reader._bases.clear()
+    reader.engine_runs = reader.region_reads = 0
+    start = time.perf_counter()
+    out = [reader.read(png) for png in pngs]
+    return time.perf_counter() - start, out
+
+
+def agreement(whole: list[OcrSpan] | list[OcrLine], part: list[OcrSpan] | list[OcrLine]) -> tuple[int, int]:
+    """(matched, total) of `whole`'s spans found in `part` with the same text at IoU >= 0.5."""
+    matched = sum(any(p.text == w.text and iou(p.box, w.box) >= 0.5 for p in part) for w in whole)
+    return matched, len(whole)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--warehouse", type=Path, help="A warehouse whose steps to read (default: run a night).")
+    parser.add_argument("--apps", default="shop")
+    parser.add_argument("--queries", type=int, default=2)
+    args = parser.parse_args()
+    warehouse = args.warehouse
+    if warehouse is None:
+        folder = Path(tempfile.mkdtemp(prefix="ocr-bench-")) / "night"
+        warehouse = folder / "data/warehouse"
+        night(folder, CONFIG.format(apps=", ".join(args.apps.split(",")), queries=args.queries),
+              WarehouseSettings(path=warehouse))
+    ws = Workspace.open(Settings(warehouse=WarehouseSettings(path=warehouse)))
+    pngs = [ws.blobs.get(screen.screenshot) for screen in load_screens(ws, None).units]
+    print(f"{len(pngs)} distinct screens from {warehouse}")
+
+    stock = OcrReader(incremental=False)
+    stock._engine.engine = RapidOCR(params={"Global.log_level": "error"})  # rapidocr's own settings, the baseline
+    stock_s, stock_lines = read_all(stock, pngs)
+    whole_s, whole = read_all(OcrReader(incremental=False), pngs)
+    diff_reader = OcrReader(incremental=True)
+    diff_s, diff = read_all(diff_reader, pngs)
+
+    print("\n| reader | s per screen | screens read in part | time against rapidocr's defaults | "
+          "lines / words / characters as the whole read has them |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, seconds, lines, part in (("whole, rapidocr's default settings", stock_s, stock_lines, 0),
+                                       ("whole (synth.ocr_incremental: false)", whole_s, whole, 0),
+                                       ("incremental (the default)", diff_s, diff, diff_reader.region_reads)):
+        shares = []
+        for pick in (lambda ls: list(ls), lambda ls: [s for line in ls for s in line.words],
+                     lambda ls: [s for line in ls for s in line.chars]):
+            matched = [agreement(pick(w), pick(d)) for w, d in zip(whole, lines, strict=True)]
+            shares.append(f"{sum(m for m, _ in matched) / max(sum(t for _, t in matched), 1):.3f}")
+        print(f"| {name} | {seconds / len(pngs):.3f} | {part} of {len(pngs)} | {seconds / stock_s:.2f} | "
+              f"{' / '.join(shares)} |")
+    print("\nagreement: of the whole read's lines, words and characters, the share found with the same text at "
+          "IoU >= 0.5")
+
+
+if __name__ == "__main__":
+    main()
