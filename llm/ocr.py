@@ -188,6 +188,7 @@ INCREMENTAL_BASES = 8
 INCREMENTAL_MAX_AREA = 0.4
 """Above this share of the screen to read again, a whole read is as cheap and needs no earlier screen."""
 
+
 class OcrReader:
     """Reads screenshots through one engine, each distinct image once: an in-memory LRU in front of the
     `trajforge_ocr` table of the catalog's database (None: memory only).
