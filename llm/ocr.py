@@ -195,11 +195,13 @@ class OcrReader:
 
     With `incremental`, a screen that differs from one of the last `INCREMENTAL_BASES` screens it read
     in under `INCREMENTAL_MAX_AREA` of its area is read as that screen's lines away from the changes
-    plus an OCR of the changed regions (`llm.ocr_diff`); the engine id says so (`+diff`).
+    plus an OCR of the changed regions (`llm.ocr_diff`); the engine id says so (`+diff`). Such a reading
+    depends on the screens read before it (which are the last few, and which was stored first), so it is
+    not the default.
     """
 
     def __init__(self, backend: str = "rapidocr", *, db_url: str | None = None, paddle_det_dir: Path | None = None,
-                 paddle_rec_dir: Path | None = None, memory: int = 256, incremental: bool = True) -> None:
+                 paddle_rec_dir: Path | None = None, memory: int = 256, incremental: bool = False) -> None:
         self.backend = backend
         self.incremental = incremental
         self._bases: deque[tuple[np.ndarray, tuple[OcrLine, ...]]] = deque(maxlen=INCREMENTAL_BASES)

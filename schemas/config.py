@@ -433,11 +433,12 @@ class SynthSettings(_Section):
         "(`paddle_det_dir`, `paddle_rec_dir`).",
     )
     ocr_incremental: bool = Field(
-        default=True,
+        default=False,
         description="Read a screen that differs from one of the last few read in a few places as that screen's "
         "text lines away from the changes plus an OCR of the changed regions only (a replay night's screens: 0.79 of "
-        "the time of whole reads, 0.99 of their words found alike; benchmarks/ocr_bench.py); false reads every "
-        "screen whole.")
+        "the time of whole reads, 0.99 of their words found alike; benchmarks/ocr_bench.py). Off by default: a "
+        "reading then depends on the screens read before it, so the same night on Dask and on threads can differ "
+        "in word and character rows.")
     paddle_det_dir: Path | None = Field(default=None, description="PaddleOCR text detection model folder.")
     paddle_rec_dir: Path | None = Field(default=None, description="PaddleOCR text recognition model folder.")
     writer: Literal["model", "template"] = Field(

@@ -82,7 +82,7 @@ def test_a_missing_backend_names_the_install_command(tmp_path):
 def test_a_screen_that_changed_in_one_place_is_read_there_only():
     before, _ = page([("Send message now", (10, 10)), ("Inbox 42", (10, 80)), ("Drafts", (260, 150))])
     after, drawn = page([("Send message now", (10, 10)), ("Inbox 57", (10, 80)), ("Drafts", (260, 150))])
-    reader = OcrReader()
+    reader = OcrReader(incremental=True)
     first = reader.read(before)
     lines = reader.read(after)
     assert (reader.engine_runs, reader.region_reads) == (2, 1)
@@ -92,13 +92,13 @@ def test_a_screen_that_changed_in_one_place_is_read_there_only():
     x, y, w, h = words["57"]
     assert inside((x + w / 2, y + h / 2), drawn["57"]), "the region's boxes are placed on the whole screen"
     assert reader.engine_id.endswith("+diff")
-    whole = OcrReader(incremental=False)
+    whole = OcrReader()
     assert [line.text for line in whole.read(after)] == [line.text for line in lines]
     assert whole.region_reads == 0 and not whole.engine_id.endswith("+diff")
 
 
 def test_a_screen_unlike_the_last_ones_is_read_whole():
-    reader = OcrReader()
+    reader = OcrReader(incremental=True)
     text = [("Inbox", (10, 10)), ("Drafts 7", (200, 60))]
     reader.read(page(text)[0])
     lines = reader.read(page(text, background="lightyellow")[0])  # a theme change: every pixel differs
