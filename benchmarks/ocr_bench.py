@@ -73,7 +73,8 @@ def main() -> None:
     print("\n| reader | s per screen | screens read in part | time against rapidocr's defaults | "
           "lines / words / characters as the whole read has them |")
     print("| --- | --- | --- | --- | --- |")
-    readers = (("whole, rapidocr's default settings", stock_s, stock_lines, 0), ("whole (the default)", whole_s, whole, 0),
+    readers = (("whole, rapidocr's default settings", stock_s, stock_lines, 0),
+               ("whole (the default)", whole_s, whole, 0),
                ("incremental (synth.ocr_incremental: true)", diff_s, diff, diff_reader.region_reads))
     for name, seconds, lines, part in readers:
         shares = []
