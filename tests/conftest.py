@@ -21,8 +21,12 @@ from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.config import LLMSettings
 from trajforge.schemas.records import Query
 
-# Prefect keeps its database under PREFECT_HOME; tests must not touch the user's.
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="trajforge-prefect-"))
+# Prefect keeps its database under PREFECT_HOME; tests must not touch the user's, and each pytest-xdist worker
+# has its own (a worker inherits the controller's environment, and two workers' temporary Prefect servers on one
+# SQLite database would wait on each other's locks).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+"""This process's pytest-xdist worker name (gw0, gw1, ...); None in a run without workers."""
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"trajforge-prefect-{WORKER or 'main'}-")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -52,6 +56,21 @@ def trajforge_cli() -> str:
     return exe
 
 
+SLOWEST_FIRST = ["test_pipeline.py", "test_dask.py", "faults/test_kill_points.py", "test_train.py", "test_loop.py",
+                 "faults/test_disk_full.py", "test_model_rollout.py", "faults/test_secrets.py", "test_appdir.py",
+                 "test_eval_critics.py", "test_serve.py"]
+"""The files whose tests run whole nights, longest first (measured). The README's test command hands files to two
+pytest-xdist workers in collection order (`--dist loadfile`), so the long ones go first: a long file handed out
+last would leave one worker alone at the end. The first two need no common night, so neither worker starts by
+waiting for the other's replay night."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(here).as_posix(), len(rank)))
+
+
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the fault tests share the fault bench's harness (fault_bench.py)
 
@@ -62,15 +81,24 @@ REPLAY_NIGHT_CONFIG = (BENCHMARKS / "replay_night.yaml").read_text()
 @pytest.fixture(scope="session")
 def replay_night(tmp_path_factory, chromium, trajforge_cli) -> tuple[Path, str]:
     """One real night on the shop app with the replay policy (every trajectory accepted, so every
-    training table of the night has rows), shared by the tests that read a night's output: its
-    folder (trajforge.yaml inside) and its tag."""
+    training table of the night has rows), shared by the tests that read a night's output, one night
+    for the whole run, pytest-xdist workers included: its folder (trajforge.yaml inside) and its tag."""
+    from filelock import FileLock
     from test_pipeline import cli, workspace
 
-    cwd = tmp_path_factory.mktemp("replay-night")
-    (cwd / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG)
-    cli(trajforge_cli, cwd, "run", "nightly")
-    (tag,) = [t for t in workspace(cwd).catalog.history("train_e2e")[-1].tags if t.startswith("nightly-")]
-    return cwd, tag
+    if WORKER is None:
+        cwd = tmp_path_factory.mktemp("replay-night")
+    else:  # the workers' session temporary folders share a parent: the first worker to get here runs the night
+        cwd = tmp_path_factory.getbasetemp().parent / "replay-night"
+    with FileLock(cwd.with_suffix(".lock")):
+        done = cwd / "night.tag"  # written once the night finished; a worker whose night failed leaves none
+        if not done.exists():
+            cwd.mkdir(exist_ok=True)
+            (cwd / "trajforge.yaml").write_text(REPLAY_NIGHT_CONFIG)
+            cli(trajforge_cli, cwd, "run", "nightly")
+            (tag,) = [t for t in workspace(cwd).catalog.history("train_e2e")[-1].tags if t.startswith("nightly-")]
+            done.write_text(tag)
+    return cwd, done.read_text()
 
 
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
