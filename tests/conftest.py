@@ -56,13 +56,15 @@ def trajforge_cli() -> str:
     return exe
 
 
-SLOWEST_FIRST = ["test_pipeline.py", "test_dask.py", "faults/test_kill_points.py", "test_train.py", "test_loop.py",
-                 "faults/test_disk_full.py", "test_model_rollout.py", "faults/test_secrets.py", "test_appdir.py",
-                 "test_eval_critics.py", "test_serve.py"]
-"""The files whose tests run whole nights, longest first (measured). The README's test command hands files to two
-pytest-xdist workers in collection order (`--dist loadfile`), so the long ones go first: a long file handed out
-last would leave one worker alone at the end. The first two need no common night, so neither worker starts by
-waiting for the other's replay night."""
+SLOWEST_FIRST = ["test_pipeline.py", "test_dask.py", "test_model_rollout.py", "test_appdir.py", "test_query_corpus.py",
+                 "test_llm_models.py", "test_train.py", "faults/test_kill_points.py", "test_query_synthesis.py",
+                 "test_serve.py", "test_loop.py", "faults/test_disk_full.py", "test_synth.py", "faults/test_secrets.py",
+                 "test_eval_critics.py"]
+"""The files whose tests run whole nights or many browsers, longest first (measured 2026-11-27 on 2 cores with two
+workers: test_pipeline 18 minutes, test_model_rollout 16, test_appdir 15, ... test_eval_critics 2.6). The README's
+test command hands files to two pytest-xdist workers in collection order (`--dist loadfile`), so the long ones go
+first: a long file handed out last would leave one worker alone at the end. The first two need no common night,
+so neither worker starts by waiting for the other's replay night."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
