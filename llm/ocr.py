@@ -184,30 +184,27 @@ def _decode(lines_json: str) -> tuple[OcrLine, ...]:
 
 
 INCREMENTAL_BASES = 8
-"""Recent screens a new one is compared with (decoded, about 3 MB each at 1280x800)."""
+"""Earlier screens of a series a new one is compared with (decoded, about 3 MB each at 1280x800)."""
 INCREMENTAL_MAX_AREA = 0.4
 """Above this share of the screen to read again, a whole read is as cheap and needs no earlier screen."""
 
 
-class OcrReader:
-    """Reads screenshots through one engine, each distinct image once: an in-memory LRU in front of the
-    `trajforge_ocr` table of the catalog's database (None: memory only).
+def _rgb(png: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(png)) as image:
+        return np.asarray(image.convert("RGB"))
 
-    With `incremental`, a screen that differs from one of the last `INCREMENTAL_BASES` screens it read
-    in under `INCREMENTAL_MAX_AREA` of its area is read as that screen's lines away from the changes
-    plus an OCR of the changed regions (`llm.ocr_diff`); the engine id says so (`+diff`). Such a reading
-    depends on the screens read before it (which are the last few, and which was stored first), so it is
-    not the default.
-    """
+
+class OcrReader:
+    """Reads screenshots whole through one engine, each distinct image once: an in-memory LRU in front of
+    the `trajforge_ocr` table of the catalog's database (None: memory only). `series` reads a run of
+    screens, each only where it changed (`OcrSeries`)."""
 
     def __init__(self, backend: str = "rapidocr", *, db_url: str | None = None, paddle_det_dir: Path | None = None,
-                 paddle_rec_dir: Path | None = None, memory: int = 256, incremental: bool = False) -> None:
+                 paddle_rec_dir: Path | None = None, memory: int = 256) -> None:
         self.backend = backend
-        self.incremental = incremental
-        self._bases: deque[tuple[np.ndarray, tuple[OcrLine, ...]]] = deque(maxlen=INCREMENTAL_BASES)
         self._paddle_dirs = (paddle_det_dir, paddle_rec_dir)
         self._engine_lock = threading.Lock()  # one ONNX session, used by one thread at a time
-        self._memory: OrderedDict[str, tuple[OcrLine, ...]] = OrderedDict()
+        self._memory: OrderedDict[tuple[str, str], tuple[OcrLine, ...]] = OrderedDict()
         self._memory_size = memory
         self._db = sa.create_engine(db_url) if db_url else None
         if self._db is not None:
@@ -225,68 +222,52 @@ class OcrReader:
 
     @property
     def engine_id(self) -> str:
-        """Names the OCR that read an image; part of the cache keys of OCR results and of OCR'd model calls."""
-        engine = _rapid_id() if self.backend == "rapidocr" else self._engine.id
-        return f"{engine}+diff" if self.incremental else engine
+        """Names the OCR that reads an image whole; part of the cache keys of OCR results and of OCR'd model
+        calls."""
+        return _rapid_id() if self.backend == "rapidocr" else self._engine.id
+
+    def series(self, incremental: bool) -> OcrSeries:
+        """A reader of screens one after another (`OcrSeries`); without `incremental`, each is read whole."""
+        return OcrSeries(self, incremental)
 
     def read(self, png: bytes) -> tuple[OcrLine, ...]:
         """The image's text lines, top to bottom as the engine orders them."""
         sha = hashlib.sha256(png).hexdigest()
-        if (hit := self._memory.get(sha)) is not None:
-            self._memory.move_to_end(sha)
-            return hit
         engine_id = self.engine_id
-        lines = self._stored(sha, engine_id)
+        lines = self._known(sha, engine_id)
         if lines is None:
             with self._engine_lock:
-                lines = self._stored(sha, engine_id)  # another thread may have read it meanwhile
+                lines = self._known(sha, engine_id)  # another thread may have read it meanwhile
                 if lines is None:
-                    lines = self._run_engine(png)
+                    lines = tuple(self._engine(_rgb(png)))
                     self.engine_runs += 1
-                    self._store(sha, engine_id, lines)
-        self._memory[sha] = lines
-        if len(self._memory) > self._memory_size:
-            self._memory.popitem(last=False)
+                    self._keep(sha, engine_id, lines)
         return lines
 
-    def _run_engine(self, png: bytes) -> tuple[OcrLine, ...]:
-        with Image.open(io.BytesIO(png)) as image:
-            rgb = np.asarray(image.convert("RGB"))
-        lines = self._read_changes(rgb) if self.incremental else None
-        if lines is None:
-            lines = tuple(self._engine(rgb))
-        else:
-            self.region_reads += 1
-        if self.incremental:
-            self._bases.append((rgb, lines))
-        return lines
-
-    def _read_changes(self, rgb: np.ndarray) -> tuple[OcrLine, ...] | None:
-        """The screen read against the recent screen of its size that leaves the least to read again, or
-        None when every one leaves more than INCREMENTAL_MAX_AREA (it is read whole)."""
-        height, width = rgb.shape[:2]
-        best: tuple[int, tuple[OcrLine, ...], list[Rect]] | None = None
-        for base, base_lines in self._bases:
-            if base.shape == rgb.shape:
-                kept, rects = regions(changed_tiles(base, rgb), base_lines, width, height)
-                area = sum((x1 - x0) * (y1 - y0) for x0, y0, x1, y1 in rects)
-                if best is None or area < best[0]:
-                    best = (area, kept, rects)
-        if best is None or best[0] > INCREMENTAL_MAX_AREA * width * height:
-            return None
-        _, kept, rects = best
-        read = [line for x0, y0, x1, y1 in rects for line in shifted(self._engine(rgb[y0:y1, x0:x1]), x0, y0)]
-        return reading_order([*kept, *read])
-
-    def _stored(self, sha: str, engine_id: str) -> tuple[OcrLine, ...] | None:
+    def _known(self, sha: str, engine_id: str) -> tuple[OcrLine, ...] | None:
+        """A reading in memory or, failing that, in the database (then kept in memory)."""
+        if (hit := self._memory.get((sha, engine_id))) is not None:
+            self._memory.move_to_end((sha, engine_id))
+            return hit
         if self._db is None:
             return None
         with self._db.connect() as conn:
             row = conn.execute(sa.select(ocr_results.c.lines_json).where(
                 ocr_results.c.sha256 == sha, ocr_results.c.engine == engine_id)).first()
-        return None if row is None else _decode(row.lines_json)
+        if row is None:
+            return None
+        lines = _decode(row.lines_json)
+        self._remember(sha, engine_id, lines)
+        return lines
 
-    def _store(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
+    def _remember(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
+        self._memory[(sha, engine_id)] = lines
+        if len(self._memory) > self._memory_size:
+            self._memory.popitem(last=False)
+
+    def _keep(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
+        """A new reading, in memory and in the database."""
+        self._remember(sha, engine_id, lines)
         if self._db is None:
             return
         row = dict(sha256=sha, engine=engine_id, lines_json=json.dumps([asdict(line) for line in lines]),
@@ -328,6 +309,65 @@ class OcrReader:
         return TextPart(text="\n".join(text))
 
 
+class OcrSeries:
+    """Screens read one after another, as a grounding shard reads its screens. With `incremental`, a screen
+    that differs from one of the series' last INCREMENTAL_BASES screens in under INCREMENTAL_MAX_AREA of its
+    area is read as that screen's lines away from the changes plus an OCR of the changed regions only
+    (`llm.ocr_diff`), and kept under the engine id with `+diff`. Such a reading depends on the series' own
+    earlier screens only, which a stage's plan fixes, never on what else the process read: a night reads
+    its screens alike on threads and on Dask workers. A screen already read whole is taken as it is (a whole
+    read is the best reading there is)."""
+
+    def __init__(self, reader: OcrReader, incremental: bool) -> None:
+        self.reader = reader
+        self.incremental = incremental
+        self._bases: deque[tuple[np.ndarray, tuple[OcrLine, ...]]] = deque(maxlen=INCREMENTAL_BASES)
+
+    @property
+    def engine_id(self) -> str:
+        """Names what read the series' screens: the whole reads' engine, with `+diff` when incremental."""
+        whole = self.reader.engine_id
+        return f"{whole}+diff" if self.incremental else whole
+
+    def read(self, png: bytes) -> tuple[OcrLine, ...]:
+        """The screen's text lines, top to bottom."""
+        if not self.incremental:
+            return self.reader.read(png)
+        reader, sha, rgb = self.reader, hashlib.sha256(png).hexdigest(), _rgb(png)
+        lines = reader._known(sha, reader.engine_id)
+        if lines is None:
+            lines = reader._known(sha, self.engine_id)
+        if lines is None:
+            with reader._engine_lock:
+                lines = self._read_changes(rgb)
+                if lines is not None:
+                    reader.engine_runs += 1
+                    reader.region_reads += 1
+                    reader._keep(sha, self.engine_id, lines)
+        if lines is None:
+            lines = reader.read(png)
+        self._bases.append((rgb, lines))
+        return lines
+
+    def _read_changes(self, rgb: np.ndarray) -> tuple[OcrLine, ...] | None:
+        """The screen read against the earlier screen of its size that leaves the least to read again, or
+        None when every one leaves more than INCREMENTAL_MAX_AREA (it is read whole)."""
+        height, width = rgb.shape[:2]
+        best: tuple[int, tuple[OcrLine, ...], list[Rect]] | None = None
+        for base, base_lines in self._bases:
+            if base.shape == rgb.shape:
+                kept, rects = regions(changed_tiles(base, rgb), base_lines, width, height)
+                area = sum((x1 - x0) * (y1 - y0) for x0, y0, x1, y1 in rects)
+                if best is None or area < best[0]:
+                    best = (area, kept, rects)
+        if best is None or best[0] > INCREMENTAL_MAX_AREA * width * height:
+            return None
+        _, kept, rects = best
+        engine = self.reader._engine
+        read = [line for x0, y0, x1, y1 in rects for line in shifted(engine(rgb[y0:y1, x0:x1]), x0, y0)]
+        return reading_order([*kept, *read])
+
+
 _readers: dict[tuple[Any, ...], OcrReader] = {}
 _readers_lock = threading.Lock()
 
@@ -336,11 +376,11 @@ def reader_for(settings: SynthSettings | None = None, db_url: str | None = None)
     """The process's one reader for a backend configuration and database: its memory and engine are shared
     by the gateway, the critics and the synthesis stages."""
     cfg = settings or SynthSettings()
-    key = (cfg.ocr_backend, cfg.paddle_det_dir, cfg.paddle_rec_dir, cfg.ocr_incremental, db_url)
+    key = (cfg.ocr_backend, cfg.paddle_det_dir, cfg.paddle_rec_dir, db_url)
     with _readers_lock:
         if key not in _readers:
             _readers[key] = OcrReader(cfg.ocr_backend, db_url=db_url, paddle_det_dir=cfg.paddle_det_dir,
-                                      paddle_rec_dir=cfg.paddle_rec_dir, incremental=cfg.ocr_incremental)
+                                      paddle_rec_dir=cfg.paddle_rec_dir)
         return _readers[key]
 
 

@@ -434,11 +434,12 @@ class SynthSettings(_Section):
     )
     ocr_incremental: bool = Field(
         default=False,
-        description="Read a screen that differs from one of the last few read in a few places as that screen's "
-        "text lines away from the changes plus an OCR of the changed regions only (a replay night's screens: 0.79 of "
-        "the time of whole reads, 0.99 of their words found alike; benchmarks/ocr_bench.py). Off by default: a "
-        "reading then depends on the screens read before it, so the same night on Dask and on threads can differ "
-        "in word and character rows.")
+        description="Grounding reads each shard's screens as one series, page by page: a screen that differs from one "
+        "of the series' last few in a few places is read as that screen's text lines away from the changes plus an "
+        "OCR of the changed regions only (llm.ocr.OcrSeries). A reading depends on its shard's screens alone, so a "
+        "night reads alike on threads and on Dask. A replay night's screens read one after another took 0.79 of "
+        "the time of whole reads and found 0.99 of their words and 0.93 of their characters alike "
+        "(benchmarks/ocr_bench.py); off by default until measured in the shards' order on a quiet machine.")
     paddle_det_dir: Path | None = Field(default=None, description="PaddleOCR text detection model folder.")
     paddle_rec_dir: Path | None = Field(default=None, description="PaddleOCR text recognition model folder.")
     writer: Literal["model", "template"] = Field(

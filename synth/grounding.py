@@ -374,6 +374,13 @@ def training_rows(rows: list[GroundingSample], screen: Screen, png: bytes, *, ru
 # ---------------------------------------------------------------- the stage
 
 
+def reading_order(screens: list[Screen]) -> list[Screen]:
+    """A shard's screens (the plan orders them by hash) page by page: an incremental OCR series reads a screen
+    against the earlier ones, and the same page's states differ least. The order depends on the shard alone, so
+    the readings are alike on any runner."""
+    return sorted(screens, key=lambda s: (s.app, s.viewport, s.url or "", s.screenshot))
+
+
 def ground(screens: list[Screen], ws: Workspace, run_id: str, _: str) -> StageOutput:
     """Grounding rows and their training samples for one shard of screens."""
     cfg = ws.settings.synth
@@ -381,14 +388,15 @@ def ground(screens: list[Screen], ws: Workspace, run_id: str, _: str) -> StageOu
     asker = _Asker(ws, out)
     tag = ws.run_tag(run_id)
     iou_drops: list[str] = []
-    for screen in screens:
+    ocr = ws.ocr.series(cfg.ocr_incremental)
+    for screen in reading_order(screens):
         try:
             png = ws.blobs.get(screen.screenshot)
         except (BlobMissing, BlobCorrupted) as exc:
             out.dropped[f"screen: screenshot blob {type(exc).__name__}"] += 1
             continue
         regions = propose(png, sam_checkpoint=cfg.sam_checkpoint, model_type=cfg.sam_model_type)
-        grounded = ground_screen(screen, png, ws.ocr.read(png), regions, run_id=run_id,
+        grounded = ground_screen(screen, png, ocr.read(png), regions, run_id=run_id,
                                  iou_threshold=cfg.iou_threshold)
         out.dropped.update(grounded.dropped)
         out.stats.update(grounded.stats)
@@ -402,7 +410,7 @@ def ground(screens: list[Screen], ws: Workspace, run_id: str, _: str) -> StageOu
         out.rows["train_grounding"] += training_rows(rows, screen, png, run_id=run_id, tag=tag)
     for example in iou_drops[:IOU_EXAMPLES]:  # both boxes of the first few, for a person checking tau_g
         out.stats[f"IoU drop example: {example}"] += 1
-    out.models["ocr"] = ws.ocr.engine_id
+    out.models["ocr"] = ocr.engine_id
     out.models["regions"] = "sam:" + cfg.sam_model_type if cfg.sam_checkpoint else "opencv-contours"
     return out
 
@@ -411,7 +419,7 @@ def prompt_fingerprint(ws: Workspace) -> str:
     """What the rows depend on beyond the config: the prompts' versions and the OCR engine. A new version is new
     work: the screens are grounded again (the OCR cache still answers)."""
     versions = ",".join(f"{name}@{load_prompt(name, PROMPTS).version}" for name in (REPHRASE, DESCRIBE, REGION))
-    return f"{versions},{ws.ocr.engine_id}"
+    return f"{versions},{ws.ocr.series(ws.settings.synth.ocr_incremental).engine_id}"
 
 
 def _grounded_before(ws: Workspace, this_config: str) -> set[str]:
