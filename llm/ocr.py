@@ -313,15 +313,17 @@ class OcrSeries:
     """Screens read one after another, as a grounding shard reads its screens. With `incremental`, a screen
     that differs from one of the series' last INCREMENTAL_BASES screens in under INCREMENTAL_MAX_AREA of its
     area is read as that screen's lines away from the changes plus an OCR of the changed regions only
-    (`llm.ocr_diff`), and kept under the engine id with `+diff`. Such a reading depends on the series' own
-    earlier screens only, which a stage's plan fixes, never on what else the process read: a night reads
-    its screens alike on threads and on Dask workers. A screen already read whole is taken as it is (a whole
-    read is the best reading there is)."""
+    (`llm.ocr_diff`); any other is read whole. Such a reading depends on the series' own earlier screens,
+    which a stage's plan fixes, never on what else the process or the cache read before: it is kept under
+    the engine id with `+diff` and a key naming the chain of screens it was read against (the screen's
+    sha256 after its base's key; a whole read's key is its sha256), so a night reads its screens alike on
+    threads and on Dask workers, with any cache."""
 
     def __init__(self, reader: OcrReader, incremental: bool) -> None:
         self.reader = reader
         self.incremental = incremental
-        self._bases: deque[tuple[np.ndarray, tuple[OcrLine, ...]]] = deque(maxlen=INCREMENTAL_BASES)
+        self._bases: deque[tuple[np.ndarray, tuple[OcrLine, ...], str]] = deque(maxlen=INCREMENTAL_BASES)
+        """The last screens read: pixels, lines and key."""
 
     @property
     def engine_id(self) -> str:
@@ -334,38 +336,38 @@ class OcrSeries:
         if not self.incremental:
             return self.reader.read(png)
         reader, sha, rgb = self.reader, hashlib.sha256(png).hexdigest(), _rgb(png)
-        lines = reader._known(sha, reader.engine_id)
-        if lines is None:
-            lines = reader._known(sha, self.engine_id)
-        if lines is None:
-            with reader._engine_lock:
-                lines = self._read_changes(rgb)
-                if lines is not None:
+        base = self._closest(rgb)
+        if base is None:
+            lines, key = reader.read(png), sha
+        else:
+            kept, rects, base_key = base
+            key = hashlib.sha256(f"{sha}<{base_key}".encode()).hexdigest()
+            lines = reader._known(key, self.engine_id)
+            if lines is None:
+                with reader._engine_lock:
+                    read = [line for x0, y0, x1, y1 in rects
+                            for line in shifted(reader._engine(rgb[y0:y1, x0:x1]), x0, y0)]
                     reader.engine_runs += 1
                     reader.region_reads += 1
-                    reader._keep(sha, self.engine_id, lines)
-        if lines is None:
-            lines = reader.read(png)
-        self._bases.append((rgb, lines))
+                lines = reading_order([*kept, *read])
+                reader._keep(key, self.engine_id, lines)
+        self._bases.append((rgb, lines, key))
         return lines
 
-    def _read_changes(self, rgb: np.ndarray) -> tuple[OcrLine, ...] | None:
-        """The screen read against the earlier screen of its size that leaves the least to read again, or
-        None when every one leaves more than INCREMENTAL_MAX_AREA (it is read whole)."""
+    def _closest(self, rgb: np.ndarray) -> tuple[tuple[OcrLine, ...], list[Rect], str] | None:
+        """Of the earlier screens of its size, the one that leaves the least to read again: the lines kept from
+        it, the regions to read and its key; None when every one leaves more than INCREMENTAL_MAX_AREA."""
         height, width = rgb.shape[:2]
-        best: tuple[int, tuple[OcrLine, ...], list[Rect]] | None = None
-        for base, base_lines in self._bases:
+        best: tuple[int, tuple[OcrLine, ...], list[Rect], str] | None = None
+        for base, base_lines, base_key in self._bases:
             if base.shape == rgb.shape:
                 kept, rects = regions(changed_tiles(base, rgb), base_lines, width, height)
                 area = sum((x1 - x0) * (y1 - y0) for x0, y0, x1, y1 in rects)
                 if best is None or area < best[0]:
-                    best = (area, kept, rects)
+                    best = (area, kept, rects, base_key)
         if best is None or best[0] > INCREMENTAL_MAX_AREA * width * height:
             return None
-        _, kept, rects = best
-        engine = self.reader._engine
-        read = [line for x0, y0, x1, y1 in rects for line in shifted(engine(rgb[y0:y1, x0:x1]), x0, y0)]
-        return reading_order([*kept, *read])
+        return best[1], best[2], best[3]
 
 
 _readers: dict[tuple[Any, ...], OcrReader] = {}
