@@ -437,10 +437,11 @@ class SynthSettings(_Section):
         description="Grounding reads each shard's screens as one series, page by page: a screen that differs from one "
         "of the series' last few in a few places is read as that screen's text lines away from the changes plus an "
         "OCR of the changed regions only (llm.ocr.OcrSeries). A reading depends on its shard's screens alone, not on "
-        "what else the process or the OCR cache read. A replay night's screens read one after another took 0.79 of "
-        "the time of whole reads and found 0.99 of their words and 0.93 of their characters alike "
-        "(benchmarks/ocr_bench.py). Off by default: with it on, the same replay night on threads gave 6,664 and "
-        "6,665 grounding rows in two runs and on Dask 6,663 (whole reads give equal counts; tests/test_dask.py).")
+        "what else the process or the OCR cache read. A replay night's 40 screens in the stage's shards took 0.85 of "
+        "the time of whole reads (0.563 against 0.662 s a screen) and found 0.997 of their words and 0.94 of their "
+        "characters alike (benchmarks/ocr_bench.py, 2 cores). Off by default: with it on, the same replay night "
+        "on threads gave 6,664 and 6,665 grounding rows in two runs and on Dask 6,663 (whole reads give equal "
+        "counts; tests/test_dask.py).")
     paddle_det_dir: Path | None = Field(default=None, description="PaddleOCR text detection model folder.")
     paddle_rec_dir: Path | None = Field(default=None, description="PaddleOCR text recognition model folder.")
     writer: Literal["model", "template"] = Field(
