@@ -75,8 +75,7 @@ def main() -> None:
     stock = OcrReader()
     stock._engine.engine = RapidOCR(params={"Global.log_level": "error"})  # rapidocr's own settings, the baseline
     stock_s, stock_lines = read_all(stock, pngs, incremental=False)
-    whole_reader = OcrReader()
-    whole_s, whole = read_all(whole_reader, pngs, incremental=False)
+    whole_s, whole = read_all(OcrReader(), pngs, incremental=False)
     diff_reader = OcrReader()
     diff_s, diff = read_all(diff_reader, pngs, incremental=True)
 

@@ -22,6 +22,7 @@ import io
 import json
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
@@ -232,14 +233,17 @@ class OcrReader:
 
     def read(self, png: bytes) -> tuple[OcrLine, ...]:
         """The image's text lines, top to bottom as the engine orders them."""
-        sha = hashlib.sha256(png).hexdigest()
+        return self._whole(hashlib.sha256(png).hexdigest(), lambda: _rgb(png))
+
+    def _whole(self, sha: str, pixels: Callable[[], np.ndarray]) -> tuple[OcrLine, ...]:
+        """The whole reading of the image with this sha256; `pixels` decodes it, called on a miss only."""
         engine_id = self.engine_id
         lines = self._known(sha, engine_id)
         if lines is None:
             with self._engine_lock:
                 lines = self._known(sha, engine_id)  # another thread may have read it meanwhile
                 if lines is None:
-                    lines = tuple(self._engine(_rgb(png)))
+                    lines = tuple(self._engine(pixels()))
                     self.engine_runs += 1
                     self._keep(sha, engine_id, lines)
         return lines
@@ -338,7 +342,7 @@ class OcrSeries:
         reader, sha, rgb = self.reader, hashlib.sha256(png).hexdigest(), _rgb(png)
         base = self._closest(rgb)
         if base is None:
-            lines, key = reader.read(png), sha
+            lines, key = reader._whole(sha, lambda: rgb), sha  # decoded and hashed once
         else:
             kept, rects, base_key = base
             key = hashlib.sha256(f"{sha}<{base_key}".encode()).hexdigest()
