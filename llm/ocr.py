@@ -379,9 +379,11 @@ _readers_lock = threading.Lock()
 
 
 def reader_for(settings: SynthSettings | None = None, db_url: str | None = None) -> OcrReader:
-    """The process's one reader for a backend configuration and database: its memory and engine are shared
-    by the gateway, the critics and the synthesis stages."""
+    """The process's one reader for a backend configuration and database (`synth.ocr_cache_url`, else `db_url`,
+    the catalog's): its memory and engine are shared by the gateway, the critics and the synthesis stages."""
     cfg = settings or SynthSettings()
+    if cfg.ocr_cache_url is not None:
+        db_url = cfg.ocr_cache_url.get_secret_value()
     key = (cfg.ocr_backend, cfg.paddle_det_dir, cfg.paddle_rec_dir, db_url)
     with _readers_lock:
         if key not in _readers:

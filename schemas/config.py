@@ -442,6 +442,12 @@ class SynthSettings(_Section):
         "characters alike (benchmarks/ocr_bench.py, 2 cores). Off by default: with it on, the same replay night "
         "on threads gave 6,664 and 6,665 grounding rows in two runs and on Dask 6,663 (whole reads give equal "
         "counts; tests/test_dask.py).")
+    ocr_cache_url: SecretStr | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the database that keeps OCR readings (table `trajforge_ocr`); None keeps them "
+        "in the catalog's database. A reading is keyed by the screenshot's sha256 and the OCR engine, so warehouses "
+        "on the same apps (staging, experiments, a test suite) can share one and read each screen once.",
+    )
     paddle_det_dir: Path | None = Field(default=None, description="PaddleOCR text detection model folder.")
     paddle_rec_dir: Path | None = Field(default=None, description="PaddleOCR text recognition model folder.")
     writer: Literal["model", "template"] = Field(
@@ -596,9 +602,14 @@ class Settings(BaseSettings):
         return (env_settings, init_settings)
 
     def section_hash(self, *sections: str) -> str:
-        """A short hash of the named sections, secrets masked, for lineage and resume keys."""
-        payload = {s: getattr(self, s).model_dump(mode="json") for s in sections}
+        """A short hash of the named sections, secrets masked, for lineage and resume keys; settings that say where
+        a cache lives (`UNHASHED`) are left out, since they change no row."""
+        payload = {s: getattr(self, s).model_dump(mode="json", exclude=UNHASHED.get(s)) for s in sections}
         return digest(json.dumps(payload, sort_keys=True))
+
+
+UNHASHED: dict[str, set[str]] = {"synth": {"ocr_cache_url"}}
+"""Settings per section that no stage's output depends on: where OCR readings are kept."""
 
 
 def _is_setting(env_name: str) -> bool:

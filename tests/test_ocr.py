@@ -71,6 +71,18 @@ def test_one_reader_per_warehouse_in_a_process(tmp_path):
     assert reader_for(SynthSettings(), url) is reader_for(None, url)
 
 
+def test_warehouses_can_share_one_ocr_cache(tmp_path):
+    shared = f"sqlite:///{tmp_path / 'ocr.db'}"
+    settings = SynthSettings(ocr_cache_url=shared)
+    first = reader_for(settings, f"sqlite:///{tmp_path / 'a.db'}")  # the catalog of warehouse a
+    assert reader_for(settings, f"sqlite:///{tmp_path / 'b.db'}") is first  # and of warehouse b: one cache
+    png, _ = page([("Checkout", (20, 20))])
+    lines = first.read(png)
+    later = OcrReader(db_url=shared)  # another process, on any warehouse
+    assert later.read(png) == lines and later.engine_runs == 0
+    assert not (tmp_path / "a.db").exists()  # nothing went to the catalog's database
+
+
 def test_a_missing_backend_names_the_install_command(tmp_path):
     pytest.importorskip("rapidocr")
     reader = OcrReader("paddleocr", paddle_det_dir=tmp_path, paddle_rec_dir=tmp_path)
