@@ -8,6 +8,10 @@ the same process just before (benchmarks/env_bench.py's EnvPool loop on MiniWoB+
 target is a night at 0.5 or more of it. Steps are the night's `steps` rows (the reference replays and the
 policy's episodes); the episodes likewise.
 
+A bundled app's step is not a MiniWoB++ step: most load a new page. So the night's queries are also replayed
+once more on their own, with the same pool (`rollout` with the replay policy at 4 contexts, nothing else):
+the night against that says what the factory adds to the apps' own cost.
+
 Then the same night on Dask (`runner.engine: dask`, a LocalCluster of 1, 2 and 4 worker processes, the
 catalog on PostgreSQL). On 2 cores the scaling is flat; it is printed for larger machines.
 
@@ -31,8 +35,10 @@ from pathlib import Path
 
 import psycopg
 
+from trajforge.data.blobs import BlobStore
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import Settings, WarehouseSettings
+from trajforge.rollout.stage import rollout
+from trajforge.schemas.config import RolloutSettings, Settings, WarehouseSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from env_bench import env_pool, episodes, serve_miniwob  # the env bench's loop, not a copy
@@ -94,6 +100,15 @@ def night(folder: Path, config: str, warehouse: WarehouseSettings) -> dict[str, 
             "stages": stage_seconds(proc.stdout + proc.stderr)}
 
 
+def app_replay(warehouse: WarehouseSettings, scratch: Path) -> float:
+    """Steps/s of the night's queries replayed once by the env pool alone (4 contexts, no stage around it)."""
+    queries = Workspace.open(Settings(warehouse=warehouse)).catalog.load("queries").to_dicts()
+    start = time.perf_counter()
+    out = rollout(queries, run_id="app-replay", settings=RolloutSettings(policy="replay", contexts=4),
+                  blobs=BlobStore(scratch))
+    return len(out.rows["steps"]) / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--apps", default="shop,mail,calendar,notes,settings,writer")
@@ -109,7 +124,10 @@ def main() -> None:
         pool = env_pool(base, episodes(args.env_steps, 20), 4)["steps_per_s"]
     print(f"env pool, 4 contexts: {pool:.1f} steps/s")
 
-    rows = [("threads", 1, night(root / "threads", config, WarehouseSettings(path=root / "threads/data/warehouse")))]
+    threads = WarehouseSettings(path=root / "threads/data/warehouse")
+    rows = [("threads", 1, night(root / "threads", config, threads))]
+    replay = app_replay(threads, root / "app-replay-blobs")
+    print(f"the night's queries replayed by the env pool alone, 4 contexts: {replay:.1f} steps/s")
     for workers in [int(w) for w in args.dask.split(",") if w]:
         folder = root / f"dask-{workers}"
         try:  # a database per night: its OCR cache (per catalog database) starts as cold as the thread night's
@@ -121,12 +139,13 @@ def main() -> None:
             print(f"dask nights skipped: PostgreSQL not reachable ({exc})")
             break
 
-    print("\n| engine | workers | night s | episodes | steps | episodes/s | steps/s | of the env pool (target 0.5) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| engine | workers | night s | episodes | steps | episodes/s | steps/s | of the env pool (target 0.5) "
+          "| of the apps' replay |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for engine, workers, r in rows:
         wall, eps, steps = float(r["wall_s"]), int(r["episodes"]), int(r["steps"])  # type: ignore[arg-type]
         print(f"| {engine} | {workers} | {wall:.1f} | {eps} | {steps} | {eps / wall:.3f} | {steps / wall:.2f} | "
-              f"{steps / wall / pool:.3f} |")
+              f"{steps / wall / pool:.3f} | {steps / wall / replay:.3f} |")
     print("\nseconds per stage:")
     stages = list(rows[0][2]["stages"])  # type: ignore[arg-type]
     print("| stage | " + " | ".join(f"{e} {w}" for e, w, _ in rows) + " |")
