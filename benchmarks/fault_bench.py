@@ -71,8 +71,10 @@ def cli_path() -> str:
 
 def cli_env(folder: Path) -> dict[str, str]:
     """The environment the CLI runs in for a night in `folder`: its own Prefect home, none of the caller's
-    TRAJFORGE_ variables (the config file alone says what the night is)."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_")}
+    TRAJFORGE_ variables (the config file alone says what the night is) but where OCR readings are kept
+    (`synth.ocr_cache_url`, which changes no row: the test suite shares one cache between its nights)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.upper().startswith("TRAJFORGE_") or k.upper() == "TRAJFORGE_SYNTH__OCR_CACHE_URL"}
     return env | {"COLUMNS": "200", "PREFECT_HOME": str(folder / "prefect")}
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,56 @@ sys.path.insert(0, str(BENCHMARKS))  # the fault tests share the fault bench's h
 
 REPLAY_NIGHT_CONFIG = (BENCHMARKS / "replay_night.yaml").read_text()
 """The night the fault bench runs too, so its figures and the tests' describe one night."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_api() -> Iterator[None]:
+    """One Prefect server per pytest-xdist worker, which every night its tests run reports to (PREFECT_API_URL,
+    passed on to each `trajforge` process): without one, each `trajforge run` starts a temporary server of its own,
+    about 20 s a run on a busy 2-core machine, and the suite makes some forty runs. A user's own
+    PREFECT_API_URL is used as it is."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host",
+                             "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError(f"the tests' Prefect server did not answer at {url} (exit status {proc.poll()})")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        yield
+    finally:
+        del os.environ["PREFECT_API_URL"]
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_ocr_cache(tmp_path_factory) -> None:
+    """Every night of the run, on either pytest-xdist worker, keeps its OCR readings in one database
+    (`synth.ocr_cache_url`, which changes no row): most nights show the same screens of the bundled apps, and
+    reading them was about half of a replay night on a busy machine (116 s of a 254 s Dask night)."""
+    from filelock import FileLock
+
+    from trajforge.llm.ocr import OcrReader
+
+    folder = tmp_path_factory.getbasetemp() if WORKER is None else tmp_path_factory.getbasetemp().parent
+    url = os.environ.setdefault("TRAJFORGE_SYNTH__OCR_CACHE_URL", f"sqlite:///{folder / 'ocr.db'}?timeout=60")
+    with FileLock(folder / "ocr.lock"):
+        OcrReader(db_url=url)  # its table, created once before any night's process races to create it
 
 
 @pytest.fixture(scope="session")

@@ -56,6 +56,7 @@ def calls_of(steps) -> list[dict]:
     return [c for raw in steps["model_calls_json"] for c in json.loads(raw)]
 
 
+@pytest.mark.timeout(1500)  # a whole night on a CPU model, then two reruns: 600 s was not enough on a busy machine
 def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embedded, chromium, trajforge_cli):
     (tmp_path / "trajforge.yaml").write_text(CONFIG)  # no policy or model named: the defaults
     said = cli(trajforge_cli, tmp_path, "run", "nightly")
