@@ -60,7 +60,10 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def trajforge(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = cli_env(cwd) | {"TRAJFORGE_SECRET_ACCOUNT_PASSWORD": ACCOUNT_PASSWORD}
+    # Without the suite's shared Prefect server: the night's own temporary server keeps its database (every
+    # log line and state message) under the night's folder, which the test reads.
+    env = {k: v for k, v in cli_env(cwd).items() if k != "PREFECT_API_URL"}
+    env |= {"TRAJFORGE_SECRET_ACCOUNT_PASSWORD": ACCOUNT_PASSWORD}
     proc = subprocess.run([cli_path(), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, f"trajforge {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
