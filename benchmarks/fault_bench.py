@@ -45,7 +45,7 @@ import sqlalchemy as sa
 
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import Settings, WarehouseSettings
+from trajforge.schemas.config import UNHASHED, Settings, WarehouseSettings
 from trajforge.schemas.tables import record_model
 
 CONFIG = Path(__file__).with_name("replay_night.yaml").read_text()
@@ -71,10 +71,10 @@ def cli_path() -> str:
 
 def cli_env(folder: Path) -> dict[str, str]:
     """The environment the CLI runs in for a night in `folder`: its own Prefect home, none of the caller's
-    TRAJFORGE_ variables (the config file alone says what the night is) but where OCR readings are kept
-    (`synth.ocr_cache_url`, which changes no row: the test suite shares one cache between its nights)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.upper().startswith("TRAJFORGE_") or k.upper() == "TRAJFORGE_SYNTH__OCR_CACHE_URL"}
+    TRAJFORGE_ variables (the config file alone says what the night is) but those of settings that change no
+    row (`schemas.config.UNHASHED`: the test suite shares one OCR cache between its nights)."""
+    kept = {f"TRAJFORGE_{section}__{name}".upper() for section, names in UNHASHED.items() for name in names}
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_") or k.upper() in kept}
     return env | {"COLUMNS": "200", "PREFECT_HOME": str(folder / "prefect")}
 
 

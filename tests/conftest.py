@@ -12,6 +12,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,43 @@ REPLAY_NIGHT_CONFIG = (BENCHMARKS / "replay_night.yaml").read_text()
 """The night the fault bench runs too, so its figures and the tests' describe one night."""
 
 
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_prefect_server(env: dict[str, str], timeout: float) -> Iterator[str]:
+    """`prefect server start` on a free loopback port with `env`, healthy; yields its API URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_for(lambda: healthy(url), timeout, "the Prefect server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prefect_api() -> Iterator[None]:
     """One Prefect server per pytest-xdist worker, which every night its tests run reports to (PREFECT_API_URL,
@@ -93,30 +131,12 @@ def prefect_api() -> Iterator[None]:
     if os.environ.get("PREFECT_API_URL"):
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host",
-                             "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
+    with running_prefect_server(dict(os.environ), 180) as url:
+        os.environ["PREFECT_API_URL"] = url
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError(f"the tests' Prefect server did not answer at {url} (exit status {proc.poll()})")
-    os.environ["PREFECT_API_URL"] = url
-    try:
-        yield
-    finally:
-        del os.environ["PREFECT_API_URL"]
-        proc.terminate()
-        proc.wait(timeout=30)
+            yield
+        finally:
+            del os.environ["PREFECT_API_URL"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from trajforge.llm.ocr import OcrBackendMissing, OcrLine, OcrReader, reader_for
 from trajforge.llm.ocr_diff import PAD, TILE, changed_tiles, regions
-from trajforge.schemas.config import SynthSettings
+from trajforge.schemas.config import Settings, SynthSettings
 
 FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
 
@@ -71,7 +71,7 @@ def test_one_reader_per_warehouse_in_a_process(tmp_path):
     assert reader_for(SynthSettings(), url) is reader_for(None, url)
 
 
-def test_warehouses_can_share_one_ocr_cache(tmp_path):
+def test_warehouses_can_share_one_ocr_cache(tmp_path, monkeypatch):
     shared = f"sqlite:///{tmp_path / 'ocr.db'}"
     settings = SynthSettings(ocr_cache_url=shared)
     first = reader_for(settings, f"sqlite:///{tmp_path / 'a.db'}")  # the catalog of warehouse a
@@ -81,6 +81,9 @@ def test_warehouses_can_share_one_ocr_cache(tmp_path):
     later = OcrReader(db_url=shared)  # another process, on any warehouse
     assert later.read(png) == lines and later.engine_runs == 0
     assert not (tmp_path / "a.db").exists()  # nothing went to the catalog's database
+    # where readings are kept is no new work: the stages' config hashes stay as they were
+    monkeypatch.delenv("TRAJFORGE_SYNTH__OCR_CACHE_URL", raising=False)  # the suite's own shared cache
+    assert Settings(synth={"ocr_cache_url": shared}).section_hash("synth") == Settings().section_hash("synth")
 
 
 def test_a_missing_backend_names_the_install_command(tmp_path):

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import PREFECT, running_prefect_server, wait_for
 
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings
@@ -19,46 +16,12 @@ from trajforge.schemas.config import Settings
 pytestmark = pytest.mark.browser
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def prefect_server(tmp_path):
     """A real Prefect server on loopback, with its own home."""
-    port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    prefect = str(Path(sys.executable).parent / "prefect")
-    proc = subprocess.Popen(
-        [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        wait_for(lambda: healthy(url), 90, "the Prefect server")
-        yield {**env, "PREFECT_API_URL": url}, prefect
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running_prefect_server(env, 90) as url:
+        yield {**env, "PREFECT_API_URL": url}, PREFECT
 
 
 CONFIG = (
