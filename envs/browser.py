@@ -88,6 +88,19 @@ INTERACTIVE_ROLES = {
     "button", "link", "checkbox", "radio", "textbox", "searchbox", "combobox", "spinbutton", "slider",
     "switch", "tab", "menuitem", "menuitemcheckbox", "menuitemradio", "option", "listbox", "treeitem",
 }
+_HIDE_CARET = """(() => {
+  const add = () => {
+    const style = document.createElement("style");
+    style.textContent = "* { caret-color: transparent !important; }";
+    document.documentElement.appendChild(style);
+  };
+  if (document.documentElement) add(); else document.addEventListener("readystatechange", add, { once: true });
+})();"""
+"""Run in every page: a text caret is not painted. It blinks every half second, so two screenshots of one
+focused field differed by when they were taken (8 captures 0.27 s apart gave 2 distinct PNGs), and with
+them the OCR, the response cache's keys and a rerun's answers (CI: an embedded-model rerun asked the
+model again from its second step on). Playwright's own screenshots hide it the same way; which element
+has focus stays in the accessibility tree."""
 # Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
 _APP_STORAGE = "local_storage,indexeddb,websql,cache_storage,service_workers,file_systems"
 _SCREENSHOT_TRIES = 4
@@ -360,6 +373,7 @@ class BrowserEnv:
         options = {**VIEWPORTS[self.viewport], "viewport": {"width": self.width, "height": self.height}}
         self._context = await browser.new_context(**options)
         self._context.set_default_timeout(self.timeout_s * 1000)
+        await self._context.add_init_script(script=_HIDE_CARET)
         await self._install_recorder()
         self._page = await self._context.new_page()
         self._cdp = await self._context.new_cdp_session(self._page)

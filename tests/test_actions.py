@@ -10,6 +10,7 @@ server that also answers the bundled apps' session protocol (`POST /__reset`,
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -142,6 +143,21 @@ def test_typing_into_the_focused_field(env: BrowserEnv) -> None:
     ok(env, {"type": "click", "x": x, "y": y})
     ok(env, {"type": "type", "text": " and new"})
     assert env.page.input_value("#field") == "old and new"
+
+
+@pytest.mark.browser
+def test_a_focused_field_looks_the_same_whenever_it_is_captured(env: BrowserEnv) -> None:
+    """The caret is not painted: a blinking one made screenshots of one screen differ by their timing, and
+    with them OCR, cached model answers and reruns. Four captures over more than a blink still differ if
+    it is (the caret is on for 0.5 s, off for 0.5 s)."""
+    x, y = center(env, "field")
+    ok(env, {"type": "click", "x": x, "y": y})
+    assert env.observe().focused is not None  # which field has focus is still observed
+    shots = set()
+    for _ in range(4):
+        shots.add(hashlib.sha256(env.observe().png).hexdigest())
+        time.sleep(0.3)
+    assert len(shots) == 1
 
 
 # --- mobile (Table 9) -----------------------------------------------------------------
