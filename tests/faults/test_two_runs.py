@@ -63,8 +63,15 @@ def test_a_second_run_stops_naming_the_first_and_writes_nothing(warehouse, trajf
     first = start(trajforge_cli, cwd, "run", "query_gen")
     try:
         wait_until_running(first)
+        # Held still while the second starts: with the suite's Prefect server already up, the first (two
+        # queries) could finish before the second had imported itself (CI saw the second run a whole night).
+        first.send_signal(signal.SIGSTOP)
+        assert first.poll() is None, "the first run ended before the second started"
         second = start(trajforge_cli, cwd, "run", "nightly")
-        out, err = second.communicate(timeout=120)
+        try:
+            out, err = second.communicate(timeout=120)
+        finally:
+            first.send_signal(signal.SIGCONT)
         assert second.returncode == 1, out + err
         assert "starting run" not in out
         assert "another run is writing to this warehouse" in err and len(err.strip().splitlines()) == 1, err
