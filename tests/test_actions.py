@@ -175,6 +175,17 @@ def test_mobile_key_and_enter_button(mobile: BrowserEnv) -> None:
 
 
 @pytest.mark.browser
+def test_a_tapped_button_is_observed_as_it_stays(mobile: BrowserEnv) -> None:
+    """A tap holds the button :active for at least 0.15 s; the observation comes after, so the capture
+    right after the tap is the capture a moment later (before, a replay's screens differed by timing)."""
+    x, y = center(mobile, "target")
+    ok(mobile, {"type": "click", "x": x, "y": y})
+    first = mobile.observe().png
+    time.sleep(0.4)
+    assert mobile.observe().png == first
+
+
+@pytest.mark.browser
 def test_mobile_long_press_holds(mobile: BrowserEnv) -> None:
     x, y = center(mobile, "pad")
     ok(mobile, {"type": "long_press", "x": x, "y": y, "duration": 0.6})
