@@ -315,8 +315,10 @@ def compare(reference: Path, faulted: Path, warehouse: WarehouseSettings | None 
     makes them in either night, and each is rerun by design."""
     ref = _latest(WarehouseSettings(path=reference / "data" / "warehouse"))
     got = _latest(warehouse or WarehouseSettings(path=faulted / "data" / "warehouse"))
-    # Chromium does not always paint a screen identically (a caret, a focus ring caught mid-fade): a screen
-    # that differs is one more distinct screen for grounding, whose rows are per distinct screen.
+    # Chromium did not always paint a screen identically (a blinking caret, a tapped control still :active,
+    # partial raster's anti-aliasing; envs.browser removes all three, and two replays of 67 steps then matched
+    # 3 times out of 3): a screen that differs is one more distinct screen for grounding, whose rows are per
+    # distinct screen, so those tables are still compared by their keys only where screens differ.
     rendered = len(_screens(ref) ^ _screens(got))
     lost = duplicated = 0
     tables: dict[str, tuple[int, int]] = {}
