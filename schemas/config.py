@@ -441,7 +441,8 @@ class SynthSettings(_Section):
         "the time of whole reads (0.563 against 0.662 s a screen) and found 0.997 of their words and 0.94 of their "
         "characters alike (benchmarks/ocr_bench.py, 2 cores). Off by default: with it on, the same replay night "
         "on threads gave 6,664 and 6,665 grounding rows in two runs and on Dask 6,663 (whole reads give equal "
-        "counts; tests/test_dask.py).")
+        "counts; tests/test_dask.py), likely because the browser painted some screens differently each time; "
+        "since its captures repeat, one thread and Dask pair matched (6,664 each), too few runs yet to turn it on.")
     ocr_cache_url: SecretStr | None = Field(
         default=None,
         description="SQLAlchemy URL of the database that keeps OCR readings (table `trajforge_ocr`); None keeps them "
