@@ -73,11 +73,11 @@ CHROMIUM_ARGS = [
     # instead of 11 (2 cores, 2026-11-27). The pages are ours or the user's own app, in a headless browser
     # already run without its sandbox, so the isolation bought nothing here.
     "--disable-site-isolation-trials",
-    # A changed tile is rastered whole, not only its damaged part over the old pixels: with partial raster, two
-    # replays of the same 67 shop and settings steps differed in 3 to 14 screenshots by one level at
-    # anti-aliased edges (a screen's pixels depended on what it was painted over); without it, in none of 3
-    # pairs, at the same wall time (56 s against 59 s). Each differing screen was one more for OCR, grounding
-    # and the response cache's keys.
+    # A changed tile is rastered whole, not only its damaged part over the old pixels: with partial raster (and
+    # a tap's :active waited out, `BrowserEnv._until_released`), two replays of the same 67 shop and settings
+    # steps differed in 3 screenshots, by one level at anti-aliased edges (a screen's pixels depended on what it
+    # was painted over); without it, in none of 3 pairs, at the same wall time (55-56 s against 59 s). Each
+    # differing screen was one more for OCR, grounding and the response cache's keys.
     "--disable-partial-raster",
 ]
 
@@ -109,8 +109,12 @@ model again from its second step on). Playwright's own screenshots hide it the s
 has focus stays in the accessibility tree."""
 # Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
 _APP_STORAGE = "local_storage,indexeddb,websql,cache_storage,service_workers,file_systems"
-_ACTIVE_POLLS = 30
-"""How often a tap's :active state is looked for before the observation goes ahead anyway (0.03 s apart)."""
+_UNTIL_RELEASED = """new Promise(done => {
+  let polls = 0;
+  const poll = () => (!document.querySelector(":active") || ++polls >= 30) ? done() : setTimeout(poll, 30);
+  poll();
+})"""
+"""Resolves once nothing is :active, or after 30 polls 0.03 s apart (the observation goes ahead anyway)."""
 _SCREENSHOT_TRIES = 4
 """Captures asked for before "Unable to capture screenshot" is a fault (`BrowserEnv._screenshot`)."""
 # How a dead server shows in Playwright's and Chromium's errors.
@@ -570,16 +574,11 @@ class BrowserEnv:
         """Until the tapped element has left its :active state. Blink holds :active at least 0.15 s after a
         tap so a finger sees it (a mouse click clears it at once): a screenshot inside that time showed a
         tapped radio button darker, one after it not, so two replays of the same queries differed in 2 of
-        67 steps by when the capture came. Polled, since a loaded renderer fires the timer late."""
+        67 steps by when the capture came. Polled in the page (`_UNTIL_RELEASED`), since a loaded renderer
+        fires the timer late; one round trip."""
         assert self._cdp is not None
-        for _ in range(_ACTIVE_POLLS):
-            with contextlib.suppress(PlaywrightError):  # the document went away: nothing is held
-                held = await self._cdp.send("Runtime.evaluate", {"expression": "!!document.querySelector(':active')",
-                                                                "returnByValue": True})
-                if held.get("result", {}).get("value") is True:
-                    await asyncio.sleep(0.03)
-                    continue
-            return
+        with contextlib.suppress(PlaywrightError):  # the document went away: nothing is held
+            await self._cdp.send("Runtime.evaluate", {"expression": _UNTIL_RELEASED, "awaitPromise": True})
 
     async def _execute(self, a: dict[str, Any]) -> str | None:
         kind = a["type"]
