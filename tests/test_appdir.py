@@ -310,7 +310,7 @@ def test_apps_init_drafts_a_spec_that_apps_check_passes_as_written(tmp_path: Pat
 
 NIGHT = """\
 query_gen:
-  num_queries: 6
+  num_queries: 3
 rollout:
   policy: replay
   contexts: 2
@@ -338,13 +338,13 @@ def test_a_night_on_datasette_and_on_the_notes_app_as_an_app_directory(tmp_path:
     queries = ws.catalog.latest("queries")[0]
     assert set(queries["app"]) == {"bookshelf", "jotter"}  # --app-dir: these apps only
     books = queries.filter(pl.col("app") == "bookshelf")
-    assert books.filter(pl.col("source") == "page_graph").height == 6
+    assert books.filter(pl.col("source") == "page_graph").height == 3
     assert {"book_opened", "genre_shown", "author_shown", "interaction"} <= set(books["checker"])
     lineage = ws.catalog.history("queries")[0].lineage
     assert lineage is not None and not [k for k in lineage.dropped if "interface validation" in k], lineage.dropped
 
     bundled = generate_queries([BundledWebKind(load_app("notes"))], run_id="r", chromium=chromium,
-                               settings=QueryGenSettings(num_queries=6, deep_search_apps=[]))
+                               settings=QueryGenSettings(num_queries=3, deep_search_apps=[]))
     tasks = ["instruction", "path", "slots_json", "checker", "checker_params_json"]
     notes = pl.DataFrame([q.model_dump(include={*tasks, "source"}) for q in cast(list[Query], bundled.rows["queries"])])
     jotter = queries.filter(pl.col("app") == "jotter")
