@@ -542,7 +542,7 @@ class AppDirEnv:
         self.env = env
         self.app = app
         self._last: Observation | None = None
-        env.add_recorder(RECORDER_PATH.read_text(), "/__ui")
+        env.add_recorder(RECORDER_PATH.read_text())
 
     def reset(self, session_id: str, start_url: str | None = None) -> None:
         self.env.reset(session_id, start_url, app_protocol=False)

@@ -108,6 +108,9 @@ them the OCR, the response cache's keys and a rerun's answers (CI: an embedded-m
 model again from its second step on). Playwright's own screenshots hide it the same way; which element
 has focus stays in the accessibility tree."""
 # Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
+RECORDER_BINDING = "__trajforgeReport"
+"""The function `add_recorder` gives every page: the interaction recorder (envs/apps/_shared/static/interactions.js)
+calls it with its reports where it exists."""
 _APP_STORAGE = "local_storage,indexeddb,websql,cache_storage,service_workers,file_systems"
 _UNTIL_RELEASED = """new Promise(done => {
   let polls = 0;
@@ -322,7 +325,7 @@ class BrowserEnv:
         self._origin: str | None = None
         self._home = "about:blank"
         self._closed = False
-        self._recorder: tuple[str, str] | None = None  # (script, the path its reports go to)
+        self._recorder: str | None = None  # the script add_recorder runs in every page
         self._reports: list[str] = []
 
     # --- running on the host's loop ---------------------------------------------------
@@ -684,28 +687,29 @@ class BrowserEnv:
         state: dict[str, Any] = json.loads(body)
         return state
 
-    def add_recorder(self, script: str, path: str) -> None:
-        """Run `script` in every page of this env (this context's and every later one's), and answer the
-        requests it makes to `path`, on any origin, in the browser, keeping their bodies for `take_reports`:
-        for a site whose server does not take the reports itself (a user's own app). The same recorder again is
-        a no-op: a rollout wraps its pooled env anew for every episode, and each install would run on every page."""
-        if self._recorder == (script, path):
+    def add_recorder(self, script: str) -> None:
+        """Run `script` in every page of this env (this context's and every later one's), with a function
+        `window.__trajforgeReport(body)` that hands its reports to the browser, which keeps them for
+        `take_reports`: for a site whose server does not take the reports itself (a user's own app). The same
+        recorder again is a no-op: a rollout wraps its pooled env anew for every episode, and each install would
+        run on every page. A second, different one is refused: the page has one function to report to.
+
+        A binding, not a route for the bundled apps' `POST /__ui`: with any route Playwright turns the context's
+        HTTP cache off and stops every request in the browser until its driver lets it go.
+        """
+        if self._recorder == script:
             return
-        self._recorder = (script, path)
+        if self._recorder is not None:
+            raise ValueError("this env runs another recorder already")
+        self._recorder = script
         if self._context is not None:
             self._call(self._install_recorder(), "installing the recorder")
 
     async def _install_recorder(self) -> None:
         if self._recorder is None or self._context is None:
             return
-        script, path = self._recorder
-
-        async def keep(route: Any) -> None:
-            self._reports.append(route.request.post_data or "")
-            await route.fulfill(status=204)
-
-        await self._context.add_init_script(script=script)
-        await self._context.route(f"**{path}", keep)
+        await self._context.expose_binding(RECORDER_BINDING, lambda _source, body: self._reports.append(str(body)))
+        await self._context.add_init_script(script=self._recorder)
 
     def take_reports(self) -> list[str]:
         """The bodies the recorder sent since the last reset (or the last take), oldest first."""

@@ -6,7 +6,9 @@
 // page, at}, in the vocabulary of query_gen.operations.Operation, POSTed to /__ui with
 // navigator.sendBeacon: a beacon outlives the page, so a click that navigates still lands.
 // Beacons may arrive out of order; `at` (ms since the epoch, sub-millisecond) says when
-// each happened.
+// each happened. On a user's app the browser itself keeps the reports: there the page has
+// window.__trajforgeReport (a CDP binding, envs.browser.BrowserEnv.add_recorder), which is
+// called instead; its call reaches the browser before the page can unload, as a beacon does.
 //
 // Elements are named as the accessibility tree names them, as closely as plain JS can tell:
 // the nearest element with a nameable role (a link, a button, a labelled field, a heading...)
@@ -83,7 +85,9 @@
   function report(events) {
     const page = location.pathname + location.search;
     const at = performance.timeOrigin + performance.now();
-    navigator.sendBeacon("/__ui", JSON.stringify(events.map((e) => ({ ...e, page, at }))));
+    const body = JSON.stringify(events.map((e) => ({ ...e, page, at })));
+    if (window.__trajforgeReport) window.__trajforgeReport(body);
+    else navigator.sendBeacon("/__ui", body);
   }
 
   function selected() {
