@@ -107,10 +107,10 @@ focused field differed by when they were taken (8 captures 0.27 s apart gave 2 d
 them the OCR, the response cache's keys and a rerun's answers (CI: an embedded-model rerun asked the
 model again from its second step on). Playwright's own screenshots hide it the same way; which element
 has focus stays in the accessibility tree."""
-# Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
 RECORDER_BINDING = "__trajforgeReport"
 """The function `add_recorder` gives every page: the interaction recorder (envs/apps/_shared/static/interactions.js)
 calls it with its reports where it exists."""
+# Storage an app may keep in the browser; the HTTP cache is not app state and stays warm.
 _APP_STORAGE = "local_storage,indexeddb,websql,cache_storage,service_workers,file_systems"
 _UNTIL_RELEASED = """new Promise(done => {
   let polls = 0;
