@@ -3,7 +3,8 @@
 The factory bench finds a bundled app's step several times dearer than the env pool's MiniWoB++ step
 (README, "The factory's own speed"). This bench says by whom: it runs both loops in one process, each at the
 same number of contexts, and meters the CPU time of this process and of every process under it (sampled
-every 50 ms, so a renderer that exits keeps what it used up to its last sample):
+every 50 ms, so a renderer that exits keeps what it used up to its last sample; the sampler's own CPU is not
+counted):
 
 - the env pool on MiniWoB++ (benchmarks/env_bench.py's loop: a target lookup, an action, an observation);
 - the replay policy on a bundled app's validated page-graph queries (`rollout`, nothing around it), whose
@@ -51,7 +52,7 @@ def kind_of(process: psutil.Process, me: int) -> str:
         return "python (this process)"
     cmdline = process.cmdline()
     program = Path(cmdline[0]).name if cmdline else process.name()  # a zygote's children run as /proc/self/exe
-    if program == "node" or "playwright" in " ".join(cmdline[:2]):
+    if program.startswith("node") or "playwright" in " ".join(cmdline[:2]):  # "node-MainThread" when argv is unread
         return "node (playwright driver)"
     if "chrom" in program or any(a.startswith("--type=") for a in cmdline):
         kind = next((a.removeprefix("--type=") for a in cmdline if a.startswith("--type=")), "browser")
@@ -83,10 +84,13 @@ def metered(run: Callable[[], int]) -> tuple[int, float, dict[str, float]]:
     sample()
     started = True
     stop = threading.Event()
+    sampling = [0.0]  # the sampler's own CPU: it runs in this process, and is not the step's
 
     def loop() -> None:
+        t = time.thread_time()
         while not stop.wait(0.05):
             sample()
+        sampling[0] = time.thread_time() - t
 
     sampler = threading.Thread(target=loop, daemon=True)
     sampler.start()
@@ -99,6 +103,7 @@ def metered(run: Callable[[], int]) -> tuple[int, float, dict[str, float]]:
     cpu: dict[str, float] = defaultdict(float)
     for pid, (kind, used) in last.items():
         cpu[kind] += used - start[pid]
+    cpu["python (this process)"] -= sampling[0]
     return steps, wall, cpu
 
 
