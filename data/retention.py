@@ -9,6 +9,12 @@ removes the data files no remaining version references, and the blobs whose hash
 remaining row mentions (a hash is found in any string column, JSON included, so a new table
 needs no registration here).
 
+The loop's files go too: the trainer's input folders (`<warehouse>/train/NAME`, exports of table versions
+the night's tags keep, so `trajforge export` makes them again) and a failed trainer's leftovers
+(`.NAME.tmp` beside the checkpoints), once older than the cutoff. Checkpoint folders themselves only when
+asked (`collect_checkpoints`: weights cost a training run to make again), and never the newest of a chain
+(the next night's policy) nor one the config names; their rows stay in the `checkpoints` table.
+
 What an unfinished run may still commit is never removed: files younger than the cutoff, and
 the shard files the run ledger lists for runs not finished (a crashed run resumes from them).
 Run under the warehouse's writer lock, so no run writes meanwhile. `dry_run` lists only.
@@ -16,7 +22,8 @@ Run under the warehouse's writer lock, so no run writes meanwhile. `dry_run` lis
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import shutil
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -42,6 +49,10 @@ class Expiry:
     """Table -> versions that remain."""
     data_files: list[Path] = field(default_factory=list)
     blobs: list[Path] = field(default_factory=list)
+    train_data: list[Path] = field(default_factory=list)
+    """The trainer's input folders, and failed trainers' leftover checkpoint folders."""
+    checkpoints: list[Path] = field(default_factory=list)
+    """Checkpoint folders (only with `collect_checkpoints`)."""
     bytes: int = 0
 
 
@@ -75,13 +86,32 @@ def _hashes(files: Iterable[Path]) -> set[str]:
 
 
 def _old(path: Path, cutoff: datetime) -> bool:
-    return datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc) < cutoff
+    """Last changed before the cutoff; a folder by the newest of it and everything in it."""
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    return datetime.fromtimestamp(max(p.stat().st_mtime for p in paths), tz=timezone.utc) < cutoff
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def _old_checkpoints(catalog: Catalog, cutoff: datetime, named: Collection[str]) -> list[Path]:
+    """Checkpoint folders made before the cutoff, except each chain's newest and those `named`."""
+    rows = catalog.load("checkpoints").sort("created_at").to_dicts()
+    newest = {r["root_model_id"]: r["folder"] for r in rows}  # the next night's policy, chain by chain
+    kept = set(newest.values()) | {r["folder"] for r in rows
+                                   if r["created_at"] >= cutoff or r["model_id"] in named or r["folder"] in named}
+    return sorted({Path(r["folder"]) for r in rows if r["folder"] not in kept and Path(r["folder"]).is_dir()})
 
 
 def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timedelta, *, dry_run: bool = False,
-           now: datetime | None = None) -> Expiry:
+           now: datetime | None = None, checkpoints_dir: Path | None = None, collect_checkpoints: bool = False,
+           named_models: Collection[str] = ()) -> Expiry:
     """Expire each table's unprotected versions committed before now - `older_than`, then remove what no
-    remaining version references. Returns what went (or would go)."""
+    remaining version references. Returns what went (or would go).
+
+    `checkpoints_dir`: where the loop writes checkpoints (loop.checkpoints_dir; default <warehouse>/checkpoints).
+    `named_models`: the model names and folders the config uses, whose checkpoints stay."""
     cutoff = (now or datetime.now(timezone.utc)) - older_than
     cutoff_ms = int(cutoff.timestamp() * 1000)
     pending = {Path(p) for p in ledger.unfinished_files()}
@@ -118,8 +148,17 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
     for path in sorted(blobs.root.glob("??/*")):
         if path.is_file() and f"{path.parent.name}{path.name}" not in mentioned and _old(path, cutoff):
             out.blobs.append(path)
-    for path in (*out.data_files, *out.blobs):
-        out.bytes += path.stat().st_size
-        if not dry_run:
+    leftovers = (checkpoints_dir.expanduser() if checkpoints_dir else catalog.warehouse / "checkpoints").glob(".*.tmp")
+    out.train_data = sorted(p for p in [*(catalog.warehouse / "train").glob("*"), *leftovers]
+                            if p.is_dir() and _old(p, cutoff))
+    if collect_checkpoints:
+        out.checkpoints = _old_checkpoints(catalog, cutoff, named_models)
+    for path in (*out.data_files, *out.blobs, *out.train_data, *out.checkpoints):
+        out.bytes += _size(path)
+        if dry_run:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
             path.unlink()
     return out

@@ -355,13 +355,19 @@ def datasets_tag(
 def datasets_expire(
     older_than: Annotated[float, typer.Option("--older-than", min=0, help="Expire versions older than DAYS.")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would go; change nothing.")] = False,
+    checkpoints: Annotated[bool, typer.Option(
+        "--checkpoints", help="Also remove the loop's checkpoint folders older than DAYS, except each chain's "
+        "newest (the next night's policy) and those the config names; their rows stay in the checkpoints table.")
+    ] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Expire old versions (tagged and current ones kept), then remove the data files and screenshot blobs that
-    no remaining version references."""
-    _, ws = _open(config)
+    no remaining version references, and the trainer's old input folders."""
+    settings, ws = _open(config)
     with ws.ledger.writing("expire"):  # no run commits meanwhile
-        gone = expire(ws.catalog, ws.blobs, ws.ledger, timedelta(days=older_than), dry_run=dry_run)
+        gone = expire(ws.catalog, ws.blobs, ws.ledger, timedelta(days=older_than), dry_run=dry_run,
+                      checkpoints_dir=settings.loop.checkpoints_dir, collect_checkpoints=checkpoints,
+                      named_models=settings.model_names())
     table = Table(title="would expire" if dry_run else "expired")
     for col in ("table", "versions expired", "versions kept"):
         table.add_column(col)
@@ -369,10 +375,11 @@ def datasets_expire(
         table.add_row(name, str(len(gone.snapshots.get(name, []))), str(kept))
     console.print(table)
     verb = "would remove" if dry_run else "removed"
-    console.print(f"{verb} {len(gone.data_files)} data files and {len(gone.blobs)} screenshot blobs "
+    console.print(f"{verb} {len(gone.data_files)} data files, {len(gone.blobs)} screenshot blobs, "
+                  f"{len(gone.train_data)} training data folders and {len(gone.checkpoints)} checkpoints "
                   f"({gone.bytes / 1e6:.1f} MB)")
     if dry_run:
-        for path in (*gone.data_files, *gone.blobs):
+        for path in (*gone.data_files, *gone.blobs, *gone.train_data, *gone.checkpoints):
             console.print(f"  {path}", highlight=False)
 
 
@@ -444,12 +451,13 @@ def checkpoints(
     except CatalogError as exc:
         raise _fail(str(exc)) from None
     table = Table(title=f"{rows.height} checkpoint(s)" + (f" trained on {trained_on}" if trained_on else ""))
-    for col in ("created at", "model id", "hash", "trained from", "tables", "samples", "steps", "seconds"):
+    for col in ("created at", "model id", "hash", "trained from", "tables", "samples", "steps", "seconds", "folder"):
         table.add_column(col)
     for r in rows.iter_rows(named=True):  # the versions themselves: --model HASH
         table.add_row(f"{r['created_at']:%Y-%m-%d %H:%M:%S}", r["model_id"], r["checkpoint_hash"][:12],
                       r["base_model_id"], ", ".join(ref.partition("@")[0] for ref in r["trained_on"]),
-                      str(r["samples"]), str(r["steps"]), f"{r['seconds']:.1f}")
+                      str(r["samples"]), str(r["steps"]), f"{r['seconds']:.1f}",
+                      "here" if Path(r["folder"]).is_dir() else "removed")
     console.print(table)
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import string
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -607,6 +608,21 @@ class Settings(BaseSettings):
         a cache lives (`UNHASHED`) are left out, since they change no row."""
         payload = {s: getattr(self, s).model_dump(mode="json", exclude=UNHASHED.get(s)) for s in sections}
         return digest(json.dumps(payload, sort_keys=True))
+
+    def model_names(self) -> set[str]:
+        """Every model the config names, in any section: `llm.default`, each field called `model` or `*_model`
+        (each endpoint's included) and the values of `loop.models`, as given (a name, a checkpoint folder or
+        ENDPOINT:FOLDER). `datasets expire --checkpoints` keeps the checkpoints named."""
+        def walk(value: object, name: str) -> Iterator[str]:
+            if isinstance(value, BaseModel):
+                for field in type(value).model_fields:
+                    yield from walk(getattr(value, field), field)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    yield from walk(item, name)
+            elif isinstance(value, str) and (name in ("default", "model", "models") or name.endswith("_model")):
+                yield value
+        return set(walk(self, ""))
 
 
 UNHASHED: dict[str, set[str]] = {"synth": {"ocr_cache_url"}}

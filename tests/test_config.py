@@ -131,3 +131,14 @@ def test_endpoint_given_by_nested_environment_variables(monkeypatch):
     settings = load_settings()
     assert settings.llm.endpoints["vllm"].model == "gui-owl-7b"
     assert settings.llm.default == "vllm"
+
+
+def test_model_names_are_every_model_the_config_names(tmp_path):
+    """What `datasets expire --checkpoints` keeps: a checkpoint folder named anywhere in the config."""
+    config = tmp_path / "trajforge.yaml"
+    config.write_text("llm:\n  default: vllm\n  endpoints:\n    vllm: {base_url: 'http://127.0.0.1:8000/v1', "
+                      "model: /ck/served}\nrollout:\n  model: /ck/policy\nloop:\n  models: {2: 'vllm:/ck/two'}\n"
+                      "critics:\n  step_model: vllm\n")
+    names = load_settings(config).model_names()
+    assert {"/ck/served", "/ck/policy", "vllm:/ck/two", "vllm"} <= names
+    assert not any(n.startswith("http") for n in names)

@@ -4,6 +4,7 @@ no remaining version references are removed; what an unfinished run will still c
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -17,6 +18,7 @@ from trajforge.data.blobs import BlobStore
 from trajforge.data.catalog import Catalog, UnknownRef
 from trajforge.data.ledger import Ledger, ShardRecord
 from trajforge.data.retention import expire
+from trajforge.schemas.records import Checkpoint
 from trajforge.schemas.tables import to_arrow
 
 
@@ -99,9 +101,62 @@ def test_expire_keeps_what_is_younger_than_the_cutoff(tmp_path: Path) -> None:
 def test_the_cli_dry_run_lists_and_removes_nothing(replay_night, trajforge_cli) -> None:
     cwd, _ = replay_night
     before = sorted(p for p in (cwd / "data" / "warehouse").rglob("*") if p.is_file())
-    proc = subprocess.run([trajforge_cli, "datasets", "expire", "--older-than", "0", "--dry-run"], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run([trajforge_cli, "datasets", "expire", "--older-than", "0", "--dry-run", "--checkpoints"],
+                          cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert "would expire" in proc.stdout and "would remove" in proc.stdout
+    assert "would expire" in proc.stdout and "would remove" in proc.stdout and "0 checkpoints" in proc.stdout
     after = sorted(p for p in (cwd / "data" / "warehouse").rglob("*") if p.is_file())
     assert [p for p in before if p.suffix != ".lock"] == [p for p in after if p.suffix != ".lock"]
+
+
+def checkpoint(catalog: Catalog, name: str, root: str, age: timedelta) -> Path:
+    """A checkpoint folder with one file and its row, as the train stage registers it, made `age` ago."""
+    folder = catalog.warehouse / "checkpoints" / name
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * 1000)
+    made = datetime.now(timezone.utc) - age
+    os.utime(folder / "model.safetensors", (made.timestamp(), made.timestamp()))
+    os.utime(folder, (made.timestamp(), made.timestamp()))
+    catalog.commit_rows("checkpoints", [Checkpoint(
+        run_id=name, model_id=str(folder), checkpoint_hash="0" * 64, folder=str(folder), served_by="local",
+        base_model_id=root, root_model_id=root, trained_on=["train_e2e@1"], samples=3, steps=1, trainer="train",
+        seconds=1.0, created_at=made)], lineage(name, stage="train", run_id=name))
+    return folder
+
+
+def aged_folder(path: Path, age: timedelta) -> Path:
+    path.mkdir(parents=True)
+    (path / "text.jsonl").write_text("{}\n")
+    for p in (path / "text.jsonl", path):
+        made = (datetime.now(timezone.utc) - age).timestamp()
+        os.utime(p, (made, made))
+    return path
+
+
+def test_the_loops_old_files_go_and_checkpoints_only_when_asked(tmp_path: Path) -> None:
+    """Training data folders and a failed trainer's leftovers older than the cutoff go; checkpoint folders go
+    only with collect_checkpoints, never a chain's newest (the next night's policy) nor one the config names,
+    and their rows stay."""
+    catalog = Catalog(tmp_path / "warehouse")
+    blobs, ledger = BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri)
+    old, young = timedelta(days=10), timedelta(0)
+    a1, a2 = checkpoint(catalog, "a1", "smollm2", old), checkpoint(catalog, "a2", "smollm2", old + timedelta(hours=-1))
+    b1, b2 = checkpoint(catalog, "b1", "qwen", old), checkpoint(catalog, "b2", "qwen", young)
+    c1, c2 = checkpoint(catalog, "c1", "other", old + timedelta(days=1)), checkpoint(catalog, "c2", "other", old)
+    train = catalog.warehouse / "train"
+    old_data, new_data = aged_folder(train / "a1", old), aged_folder(train / "b2", young)
+    leftover = aged_folder(catalog.warehouse / "checkpoints" / ".a3.tmp", old)
+    week = timedelta(days=7)
+
+    kept_by_default = expire(catalog, blobs, ledger, week, dry_run=True)
+    assert (kept_by_default.train_data, kept_by_default.checkpoints) == ([leftover, old_data], [])
+    dry = expire(catalog, blobs, ledger, week, dry_run=True, collect_checkpoints=True, named_models={str(c1)})
+    # a1: older than a2, its chain's newest; b1: b2 is younger than the cutoff; c1: named by the config
+    assert dry.checkpoints == [a1, b1]
+    assert all(p.is_dir() for p in (a1, b1, old_data, leftover))  # a dry run lists only
+
+    gone = expire(catalog, blobs, ledger, week, collect_checkpoints=True, named_models={str(c1)})
+    assert (gone.train_data, gone.checkpoints) == (dry.train_data, dry.checkpoints) and gone.bytes >= 2000
+    assert not any(p.exists() for p in (a1, b1, old_data, leftover))
+    assert all(p.is_dir() for p in (a2, b2, c1, c2, new_data))
+    assert catalog.load("checkpoints").height == 6  # what was trained is still told
