@@ -368,6 +368,10 @@ def datasets_expire(
         gone = expire(ws.catalog, ws.blobs, ws.ledger, timedelta(days=older_than), dry_run=dry_run,
                       checkpoints_dir=settings.loop.checkpoints_dir, collect_checkpoints=checkpoints,
                       named_models=settings.model_names())
+        # The removed screenshots' OCR readings (as many bytes again as the PNGs); a cache that
+        # synth.ocr_cache_url shares with other warehouses is left alone.
+        shared = settings.synth.ocr_cache_url is not None
+        readings = 0 if shared else ws.ocr.forget({p.parent.name + p.name for p in gone.blobs}, dry_run=dry_run)
     table = Table(title="would expire" if dry_run else "expired")
     for col in ("table", "versions expired", "versions kept"):
         table.add_column(col)
@@ -375,7 +379,8 @@ def datasets_expire(
         table.add_row(name, str(len(gone.snapshots.get(name, []))), str(kept))
     console.print(table)
     verb = "would remove" if dry_run else "removed"
-    console.print(f"{verb} {len(gone.data_files)} data files, {len(gone.blobs)} screenshot blobs, "
+    console.print(f"{verb} {len(gone.data_files)} data files, {len(gone.blobs)} screenshot blobs "
+                  f"({readings} OCR readings{', shared cache left alone' if shared else ''}), "
                   f"{len(gone.train_data)} training data folders and {len(gone.checkpoints)} checkpoints "
                   f"({gone.bytes / 1e6:.1f} MB)")
     if dry_run:

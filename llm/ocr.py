@@ -22,7 +22,7 @@ import io
 import json
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
@@ -281,6 +281,23 @@ class OcrReader:
                 conn.execute(ocr_results.insert().values(**row))
         except sa.exc.IntegrityError:  # another process stored the same image first: same answer
             pass
+
+    def forget(self, shas: Collection[str], *, dry_run: bool = False) -> int:
+        """Drop the readings of these screenshots (every engine's), as `datasets expire` removes their blobs;
+        returns how many database rows went (or, with `dry_run`, would go)."""
+        if not dry_run:
+            for key in [k for k in self._memory if k[0] in shas]:
+                del self._memory[key]
+        if self._db is None or not shas:
+            return 0
+        ordered, count = sorted(shas), 0
+        with self._db.begin() as conn:
+            for i in range(0, len(ordered), 500):  # under every database's limit of bound parameters
+                chunk = ocr_results.c.sha256.in_(ordered[i:i + 500])
+                count += conn.execute(sa.select(sa.func.count()).select_from(ocr_results).where(chunk)).scalar_one()
+                if not dry_run:
+                    conn.execute(ocr_results.delete().where(chunk))
+        return count
 
     def lines(self, png: bytes) -> tuple[str, ...]:
         """One line per text box, top to bottom: `"text" @ (x, y)` with the box centre in pixels."""

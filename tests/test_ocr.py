@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 
 import numpy as np
@@ -64,6 +65,23 @@ def test_an_image_is_read_once_per_warehouse(tmp_path):
     assert later.engine_runs == 0
     assert later.lines(png) == (f'"Checkout" @ ({round(lines[0].box[0] + lines[0].box[2] / 2)}, '
                                 f'{round(lines[0].box[1] + lines[0].box[3] / 2)})',)
+
+
+def test_a_forgotten_screen_is_read_again_and_the_others_are_not(tmp_path):
+    """What `datasets expire` does for the screenshots it removes: their readings go, in memory and in the
+    database, and no other screen's."""
+    (gone, _), (kept, _) = page([("Checkout", (20, 20))]), page([("Basket", (20, 20))])
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    reader = OcrReader(db_url=url)
+    reader.read(gone), reader.read(kept)
+    sha = hashlib.sha256(gone).hexdigest()
+    assert reader.forget({sha}, dry_run=True) == 1
+    assert reader.forget({sha}) == 1 and reader.forget({sha}) == 0
+    reader.read(kept), reader.read(gone)
+    assert reader.engine_runs == 3  # the forgotten screen once more; the kept one from memory
+    later = OcrReader(db_url=url)
+    later.read(kept), later.read(gone)
+    assert later.engine_runs == 0  # the second reading of the forgotten screen was kept again
 
 
 def test_one_reader_per_warehouse_in_a_process(tmp_path):
