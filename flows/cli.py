@@ -368,7 +368,7 @@ def datasets_expire(
         gone = expire(ws.catalog, ws.blobs, ws.ledger, timedelta(days=older_than), dry_run=dry_run,
                       checkpoints_dir=settings.loop.checkpoints_dir, collect_checkpoints=checkpoints,
                       named_models=settings.model_names())
-        # The removed screenshots' OCR readings (as many bytes again as the PNGs); a cache that
+        # The removed screenshots' OCR readings (about 9 KB each, near the PNG's size); a cache that
         # synth.ocr_cache_url shares with other warehouses is left alone.
         shared = settings.synth.ocr_cache_url is not None
         readings = 0 if shared else ws.ocr.forget({p.parent.name + p.name for p in gone.blobs}, dry_run=dry_run)
