@@ -54,6 +54,11 @@ class BlobStore:
             raise ValueError(f"not a lowercase hex sha256: {sha256!r}")
         return self.root / sha256[:2] / sha256[2:]
 
+    @staticmethod
+    def sha256_of(path: Path) -> str:
+        """The hash of the blob at `path`: `path`'s inverse."""
+        return path.parent.name + path.name
+
     def __contains__(self, sha256: object) -> bool:
         return isinstance(sha256, str) and SHA256.fullmatch(sha256) is not None and self.path(sha256).is_file()
 

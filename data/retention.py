@@ -146,7 +146,7 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
                 out.data_files.append(path)
     mentioned = _hashes(referenced | pending)
     for path in sorted(blobs.root.glob("??/*")):
-        if path.is_file() and f"{path.parent.name}{path.name}" not in mentioned and _old(path, cutoff):
+        if path.is_file() and blobs.sha256_of(path) not in mentioned and _old(path, cutoff):
             out.blobs.append(path)
     leftovers = (checkpoints_dir.expanduser() if checkpoints_dir else catalog.warehouse / "checkpoints").glob(".*.tmp")
     out.train_data = sorted(p for p in [*(catalog.warehouse / "train").glob("*"), *leftovers]

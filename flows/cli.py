@@ -371,7 +371,7 @@ def datasets_expire(
         # The removed screenshots' OCR readings (about 9 KB each, near the PNG's size); a cache that
         # synth.ocr_cache_url shares with other warehouses is left alone.
         shared = settings.synth.ocr_cache_url is not None
-        readings = 0 if shared else ws.ocr.forget({p.parent.name + p.name for p in gone.blobs}, dry_run=dry_run)
+        readings = 0 if shared else ws.ocr.forget({ws.blobs.sha256_of(p) for p in gone.blobs}, dry_run=dry_run)
     table = Table(title="would expire" if dry_run else "expired")
     for col in ("table", "versions expired", "versions kept"):
         table.add_column(col)

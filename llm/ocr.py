@@ -294,9 +294,10 @@ class OcrReader:
         with self._db.begin() as conn:
             for i in range(0, len(ordered), 500):  # under every database's limit of bound parameters
                 chunk = ocr_results.c.sha256.in_(ordered[i:i + 500])
-                count += conn.execute(sa.select(sa.func.count()).select_from(ocr_results).where(chunk)).scalar_one()
-                if not dry_run:
-                    conn.execute(ocr_results.delete().where(chunk))
+                if dry_run:
+                    count += conn.execute(sa.select(sa.func.count()).select_from(ocr_results).where(chunk)).scalar_one()
+                else:
+                    count += conn.execute(ocr_results.delete().where(chunk)).rowcount
         return count
 
     def lines(self, png: bytes) -> tuple[str, ...]:
