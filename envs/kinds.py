@@ -50,6 +50,9 @@ class Site:
     """The environment an episode sees on a pooled browser context (e.g. MiniWoB++'s seeded reset)."""
     launchers: dict[str, str] = field(default_factory=dict)
     """App name or title -> start URL, for the action that opens an app."""
+    shared_state: bool = False
+    """The app keeps one state for every session, which its reset puts back (an app directory reset by a url or
+    a command): one session at a time uses it, since a reset wipes what another session is doing."""
 
 
 class AppKind(ABC):
@@ -87,10 +90,12 @@ class AppKind(ABC):
         raise NotImplementedError(f"{self.name} runs in the browser")
 
 
-def _web_site(spec: AppSpec, base_url: str, wrap: Callable[[BrowserEnv], Any] | None = None) -> Site:
+def _web_site(spec: AppSpec, base_url: str, wrap: Callable[[BrowserEnv], Any] | None = None, *,
+              shared_state: bool = False) -> Site:
     """A web app served at `base_url`: every episode starts on its start page, which opens it by title or name."""
     url = base_url + spec.pages[spec.start].url
-    site = Site(start_url=lambda q: url, base_url=base_url, launchers={spec.title: url, spec.app: url})
+    site = Site(start_url=lambda q: url, base_url=base_url, launchers={spec.title: url, spec.app: url},
+                shared_state=shared_state)
     if wrap is not None:
         site.wrap = wrap
     return site
@@ -127,7 +132,7 @@ class AppDirKind(AppKind):
 
     def serve(self, stack: ExitStack) -> Site:
         return _web_site(self.spec, stack.enter_context(running(self.app_dir)),
-                         wrap=lambda env: AppDirEnv(env, self.app_dir))
+                         wrap=lambda env: AppDirEnv(env, self.app_dir), shared_state=self.app_dir.reset != "context")
 
 
 class MiniWoBKind(AppKind):

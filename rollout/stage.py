@@ -23,9 +23,10 @@ are always rolled (a device's clock alone changes its screens).
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,9 +240,12 @@ def _in_browser(queries: list[Query], kinds: dict[str, AppKind], settings: Rollo
             action_timeout_s=settings.action_timeout_s, apps=launchers,
         ))
 
+        alone = {name: threading.Lock() for name, site in sites.items() if site.shared_state}
+
         def run(env: BrowserEnv, q: Query) -> list[tuple[Episode, list[Step]]]:
             site = sites[q.app]
-            return attempts(site.wrap(env), q, site.start_url(q))
+            with alone.get(q.app) or nullcontext():  # another context's reset would wipe this episode's state
+                return attempts(site.wrap(env), q, site.start_url(q))
 
         return pool.map(run, queries)
 

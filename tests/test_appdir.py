@@ -400,6 +400,25 @@ def test_each_episode_starts_from_the_apps_reset_state(chromium: Path, tmp_path:
         assert not verdicts[1][0] and "count_is: the count is 3" in verdicts[1][1], verdicts[1][1]
 
 
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_episodes_on_an_app_whose_state_every_session_shares_run_one_at_a_time(chromium: Path,
+                                                                               tmp_path: Path) -> None:
+    """Three episodes of "add one" on the counter reset by URL, on four contexts: each starts from the reset and
+    ends at one. Side by side, one episode's reset would wipe another's count, or three Adds would make three."""
+    shutil.copytree(COUNTER, tmp_path / "counter")
+    [counter] = use_app_dirs([tmp_path / "counter"])
+    made = generate_queries([counter], run_id="r", settings=QueryGenSettings(num_queries=1, atomic_per_app=0),
+                            chromium=chromium)
+    [query] = cast(list[Query], made.rows["queries"])
+    copies = [query.model_copy(update={"query_id": f"{query.query_id}-{i}"}).model_dump() for i in range(3)]
+    out = rollout(copies, run_id="night", settings=RolloutSettings(policy="replay", contexts=4, chromium=chromium),
+                  blobs=BlobStore(tmp_path / "blobs"))
+    verdicts = [counter.check(query.checker, json.loads(query.checker_params_json), json.loads(e.final_state_json))
+                for e in cast(list[Episode], out.rows["episodes"])]
+    assert len(verdicts) == 3 and all(holds for holds, _ in verdicts), verdicts
+
+
 def test_a_secret_an_app_echoes_is_kept_as_its_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a user's app answers or shows is masked before it is kept: its JSON may echo a typed password."""
     monkeypatch.setenv("TRAJFORGE_SECRET_SHOP_PASSWORD", "hunter2-Tide")
