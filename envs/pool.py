@@ -15,13 +15,14 @@ were running when it died end as env_fault and the caller reruns them
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, TypeVar
 
 from trajforge.envs.browser import CHROMIUM, BrowserEnv, BrowserHost
 
+Env = TypeVar("Env")
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -45,24 +46,8 @@ class EnvPool:
                      for _ in range(size)]
 
     def map(self, fn: Callable[[BrowserEnv, Item], Result], items: Iterable[Item]) -> list[Result]:
-        """fn(env, item) for every item, in item order; at most one call per env at a time.
-
-        An exception of fn propagates (after the calls already running have finished):
-        env faults are fn's to handle, as `run_episode` does.
-        """
-        free: queue.SimpleQueue[BrowserEnv] = queue.SimpleQueue()
-        for env in self.envs:
-            free.put(env)
-
-        def call(item: Item) -> Result:
-            env = free.get()
-            try:
-                return fn(env, item)
-            finally:
-                free.put(env)
-
-        with ThreadPoolExecutor(len(self.envs), thread_name_prefix="env") as workers:
-            return list(workers.map(call, items))
+        """fn(env, item) for every item, in item order; at most one call per env at a time (`map_envs`)."""
+        return map_envs(self.envs, fn, items)
 
     def close(self) -> None:
         """Close every context, then the browser and the driver."""
@@ -77,3 +62,25 @@ class EnvPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def map_envs(envs: Sequence[Env], fn: Callable[[Env, Item], Result], items: Iterable[Item]) -> list[Result]:
+    """fn(env, item) for every item, in item order, on one worker thread per env, each holding one env
+    while it runs; so fn is ordinary blocking code and the envs' browser calls overlap on their host's loop.
+
+    An exception of fn propagates (after the calls already running have finished): env faults are fn's to
+    handle, as `run_episode` does.
+    """
+    free: queue.SimpleQueue[Env] = queue.SimpleQueue()
+    for env in envs:
+        free.put(env)
+
+    def call(item: Item) -> Result:
+        env = free.get()
+        try:
+            return fn(env, item)
+        finally:
+            free.put(env)
+
+    with ThreadPoolExecutor(len(envs), thread_name_prefix="env") as workers:
+        return list(workers.map(call, items))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from trajforge.data.blobs import BlobStore
-from trajforge.envs.browser import BrowserEnv, Observation
+from trajforge.envs.browser import BrowserEnv, BrowserHost, Observation
 from trajforge.envs.kinds import AppKind, configured_kinds, kind_for
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
@@ -175,8 +175,11 @@ def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commande
 
     with ExitStack() as stack:
         site = kind.serve(stack)
-        env = site.wrap(stack.enter_context(BrowserEnv(chromium=chromium, viewport=viewport,
-                                                       on_observe=watch(viewport))))
+        host = stack.enter_context(BrowserHost(chromium))
+        envs = [site.wrap(stack.enter_context(BrowserEnv(chromium=chromium, viewport=viewport, host=host,
+                                                         on_observe=watch(viewport))))
+                for _ in range(1 if site.shared_state else settings.contexts)]
+        env = envs[0]
         if settings.atomic_per_app:
             atomic = atomic_queries(spec, site.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
                                     space=env.space, run_id=run_id, now=now, margin=settings.step_budget_margin,
@@ -184,13 +187,13 @@ def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commande
             found += atomic.queries
             out.stats.update({f"atomic: not made: {k}": n for k, n in atomic.skipped.items()})
         if settings.validate_interface:
-            checked = InterfaceValidator(spec, site.base_url, env).validate(found)
+            checked = InterfaceValidator(spec, site.base_url, envs).validate(found)
             found = checked.kept
             out.dropped.update(checked.dropped)
             out.stats.update({f"validation: reached by driving a form: {k}": n for k, n in checked.driven.items()})
         if kind.name in settings.deep_search_apps and settings.deep_search_queries:
             desktop = site.wrap(stack.enter_context(BrowserEnv(  # a desktop app's menus
-                chromium=chromium, viewport="desktop", on_observe=watch("desktop"))))
+                chromium=chromium, viewport="desktop", host=host, on_observe=watch("desktop"))))
             found += _deep_search(spec, site.base_url, desktop, settings, commander, out, run_id=run_id)
     return found
 

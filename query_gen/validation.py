@@ -31,6 +31,7 @@ import string
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from secrets import token_hex
 from urllib.parse import quote, urlsplit
@@ -41,6 +42,7 @@ from trajforge.envs import secrets
 from trajforge.envs.browser import BrowserEnv, EnvFault
 from trajforge.envs.locate import find_boxes
 from trajforge.envs.operations import parse_operations
+from trajforge.envs.pool import map_envs
 from trajforge.envs.spec import AppSpec, UIAction, placeholders
 from trajforge.schemas.records import Query
 
@@ -127,16 +129,18 @@ class ValidationResult:
 
 
 class InterfaceValidator:
-    """Validates queries of one app against its live server through one browser env.
+    """Validates queries of one app against its live server through browser envs.
 
-    `base_url` is the app server's origin (AppServer.base_url); `env` a BrowserEnv the
-    validator may reset as it likes.
+    `base_url` is the app server's origin (AppServer.base_url); `envs` one BrowserEnv or
+    several (contexts of one browser) that the validator may reset as it likes: with
+    several, the pages are visited in parallel, one per env.
     """
 
-    def __init__(self, spec: AppSpec, base_url: str, env: BrowserEnv, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, spec: AppSpec, base_url: str, envs: BrowserEnv | Sequence[BrowserEnv], *,
+                 timeout_s: float = 10.0) -> None:
         self.spec = spec
         self.base_url = base_url.rstrip("/")
-        self.env = env
+        self.envs = list(envs) if isinstance(envs, Sequence) else [envs]
         self.timeout_s = timeout_s
         self.graph = spec.graph()
         self.cache: dict[tuple[str, Route], PageVisit] = {}
@@ -192,30 +196,30 @@ class InterfaceValidator:
         except urllib.error.URLError as exc:
             return f"cannot be reached: {exc.reason}"
 
-    def _visit(self, route: Route, targets: set[Target]) -> PageVisit:
+    def _visit(self, env: BrowserEnv, route: Route, targets: set[Target]) -> PageVisit:
         url, actions = route
         try:
-            self.env.reset(token_hex(8), self.base_url + url)
+            env.reset(token_hex(8), self.base_url + url)
             for op, role, name, text in actions:
-                problem = self._do(op, role, name, text)
+                problem = self._do(env, op, role, name, text)
                 if problem is not None:
                     return PageVisit(load_error=f"could not be reached from {url}: {problem}")
             # find_boxes, not env.find_element: an atomic query's element may be role "text"
             # (a passage to select), which no ARIA role lookup finds.
-            return PageVisit(found={(role, name): bool(find_boxes(self.env, role, name))
+            return PageVisit(found={(role, name): bool(find_boxes(env, role, name))
                                     for role, name in sorted(targets)})
         except EnvFault as exc:
             return PageVisit(load_error=f"browser could not open it: {exc}")
 
-    def _do(self, op: str, role: str | None, name: str | None, text: str | None) -> str | None:
+    def _do(self, env: BrowserEnv, op: str, role: str | None, name: str | None, text: str | None) -> str | None:
         """Do one UI action on the live page; why it could not be done, or None.
 
         Clicks and keys go through the env's own actions, which wait for a navigation
         they start; filling a field or setting a box starts none, so a locator does it.
         """
         if op == "press":
-            return self.env.act({"type": "key", "key": text})
-        page = self.env.page
+            return env.act({"type": "key", "key": text})
+        page = env.page
         element = page.get_by_role(role, name=name, exact=True)
         try:
             if element.count() != 1:
@@ -231,9 +235,9 @@ class InterfaceValidator:
                 return None
             element.scroll_into_view_if_needed(timeout=timeout)
         except PlaywrightError as exc:
-            raise self.env.fault(exc, f"{op} {role} {name!r}") from exc
-        [(x, y, w, h)] = self.env.find_element(role, name)
-        return self.env.act({"type": "click", "x": round(x + w / 2), "y": round(y + h / 2)})
+            raise env.fault(exc, f"{op} {role} {name!r}") from exc
+        [(x, y, w, h)] = env.find_element(role, name)
+        return env.act({"type": "click", "x": round(x + w / 2), "y": round(y + h / 2)})
 
     def validate(self, queries: list[Query]) -> ValidationResult:
         """Keep the queries whose pages load and whose elements exist; drop the rest with the reason."""
@@ -243,12 +247,14 @@ class InterfaceValidator:
             for step in plan:
                 if step.route is not None:
                     needed.setdefault((step.page, step.route), set()).update(step.targets)
-        visits = 0
+        todo: list[tuple[tuple[str, Route], set[Target]]] = []
         for key, targets in needed.items():
             known = self.cache.get(key)
             if known is None or (known.load_error is None and not targets <= known.found.keys()):
-                self.cache[key] = self._visit(key[1], targets | (known.found.keys() if known else set()))
-                visits += 1
+                todo.append((key, targets | (known.found.keys() if known else set())))
+        found = map_envs(self.envs, lambda env, visit: self._visit(env, visit[0][1], visit[1]), todo)
+        self.cache.update((key, page) for (key, _), page in zip(todo, found))
+        visits = len(todo)
         result = ValidationResult([], Counter(), {}, Counter(), visits)
         for query in queries:
             reason = self._verdict(plans[query.query_id], result.driven)

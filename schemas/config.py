@@ -115,6 +115,11 @@ class QueryGenSettings(_Section):
         description="Crawl each app's live pages in a browser and drop queries whose pages or slot values no "
         "longer exist (uses rollout.chromium).",
     )
+    contexts: int = Field(
+        default=4, gt=0,
+        description="Browser contexts interface validation opens an app's pages in, in parallel (one for an app "
+        "directory whose reset is a url or a command: its state is every session's).",
+    )
     atomic_per_app: int = Field(
         default=1, ge=0,
         description="Atomic-operation queries per app (click, double-click, right-click, drag, type at a place, "
@@ -604,8 +609,8 @@ class Settings(BaseSettings):
         return (env_settings, init_settings)
 
     def section_hash(self, *sections: str) -> str:
-        """A short hash of the named sections, secrets masked, for lineage and resume keys; settings that say where
-        a cache lives (`UNHASHED`) are left out, since they change no row."""
+        """A short hash of the named sections, secrets masked, for lineage and resume keys; settings that change
+        no row (`UNHASHED`: where a cache lives, how parallel a crawl is) are left out."""
         payload = {s: getattr(self, s).model_dump(mode="json", exclude=UNHASHED.get(s)) for s in sections}
         return digest(json.dumps(payload, sort_keys=True))
 
@@ -625,8 +630,9 @@ class Settings(BaseSettings):
         return set(walk(self, ""))
 
 
-UNHASHED: dict[str, set[str]] = {"synth": {"ocr_cache_url"}}
-"""Settings per section that no stage's output depends on: where OCR readings are kept."""
+UNHASHED: dict[str, set[str]] = {"synth": {"ocr_cache_url"}, "query_gen": {"contexts"}}
+"""Settings per section that no stage's output depends on: where OCR readings are kept, how many pages
+interface validation opens at once."""
 
 
 def _is_setting(env_name: str) -> bool:

@@ -17,6 +17,7 @@ import pytest
 from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.kinds import BundledWebKind
+from trajforge.envs.pool import EnvPool
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
 from trajforge.llm.local import SMOLLM2_ID
@@ -36,6 +37,13 @@ MODEL_GENERATOR = f"{SMOLLM2_ID}+query_synthesis@1+query_refine@1"
 def env(chromium: Path) -> Iterator[BrowserEnv]:
     with BrowserEnv(chromium=chromium) as e:
         yield e
+
+
+@pytest.fixture(scope="module")
+def envs(chromium: Path) -> Iterator[list[BrowserEnv]]:
+    """Four contexts of one browser, as query generation gives the validator (query_gen.contexts)."""
+    with EnvPool(4, chromium=chromium) as pool:
+        yield pool.envs
 
 
 def shop_queries(shop: BundledApp, n: int) -> list[Query]:
@@ -101,7 +109,7 @@ def test_model_instructions_without_a_gateway_are_a_config_error(shop: BundledAp
 
 @pytest.mark.browser
 def test_validation_keeps_the_shops_queries_and_visits_each_page_once(shop: BundledApp, server: AppServer,
-                                                                       env: BrowserEnv) -> None:
+                                                                       env: BrowserEnv, envs: list[BrowserEnv]) -> None:
     queries = shop_queries(shop, 12)
     validator = InterfaceValidator(shop.spec, server.base_url, env)
     result = validator.validate(queries)
@@ -110,15 +118,18 @@ def test_validation_keeps_the_shops_queries_and_visits_each_page_once(shop: Bund
     assert result.driven["shop cart"] > 0  # the cart is reached by adding the dish, not by its url
     assert validator.validate(queries).visits == 0  # the second run is answered from the cache
 
+    parallel = InterfaceValidator(shop.spec, server.base_url, envs)  # the pages opened four at a time
+    assert parallel.validate(queries) == result and parallel.cache == validator.cache
+
 
 @pytest.mark.browser
 def test_a_slot_value_the_shop_lacks_drops_exactly_its_queries(shop: BundledApp, server: AppServer,
-                                                               env: BrowserEnv) -> None:
+                                                               envs: list[BrowserEnv]) -> None:
     queries = shop_queries(shop, 12)
     by_home = next(q for q in queries if q.path[:2] == ["home", "dish"])
     by_search = next(q for q in queries if q.path[:3] == ["home", "search", "dish"])
     gone = [with_slot(by_home, dish="Sushi Platter"), with_slot(by_search, dish="Sushi Platter")]
-    result = InterfaceValidator(shop.spec, server.base_url, env).validate(queries + gone)
+    result = InterfaceValidator(shop.spec, server.base_url, envs).validate(queries + gone)
     assert result.kept == queries
     assert result.reasons == {
         gone[0].query_id: "page 'home' /: link 'Sushi Platter' not found",
@@ -138,12 +149,13 @@ def test_a_size_the_dish_page_lacks_is_found_missing(shop: BundledApp, server: A
 
 
 @pytest.mark.browser
-def test_a_renamed_page_drops_the_queries_through_it(shop: BundledApp, server: AppServer, env: BrowserEnv) -> None:
+def test_a_renamed_page_drops_the_queries_through_it(shop: BundledApp, server: AppServer,
+                                                     envs: list[BrowserEnv]) -> None:
     queries = shop_queries(shop, 12)
     raw = shop.spec.model_dump(by_alias=True)
     raw["pages"]["dish"]["url"] = "/dishes/{dish}"  # the spec's page the app does not serve
     renamed = AppSpec.model_validate(raw)
-    result = InterfaceValidator(renamed, server.base_url, env).validate(queries)
+    result = InterfaceValidator(renamed, server.base_url, envs).validate(queries)
     through_dish = {q.query_id for q in queries if "dish" in q.path}
     assert through_dish and set(result.reasons) == through_dish
     assert all(r.startswith("page 'dish' /dishes/") and r.endswith("does not load (HTTP 404)")
@@ -152,7 +164,7 @@ def test_a_renamed_page_drops_the_queries_through_it(shop: BundledApp, server: A
 
 
 @pytest.mark.browser
-def test_a_page_entered_by_a_form_is_reached_by_driving_it(env: BrowserEnv) -> None:
+def test_a_page_entered_by_a_form_is_reached_by_driving_it(envs: list[BrowserEnv]) -> None:
     """Search results exist only after the search is typed and sent: the crawl does that, then
     looks for the note's link. A note the app no longer has is dropped at the results page."""
     notes = load_app("notes")
@@ -160,7 +172,7 @@ def test_a_page_entered_by_a_form_is_reached_by_driving_it(env: BrowserEnv) -> N
     by_search = next(q for q in out.rows["queries"] if q.path[:3] == ["notes", "search_results", "note"])
     gone = with_slot(by_search, note="Tax return 2024")
     with AppServer(notes) as srv:
-        result = InterfaceValidator(notes.spec, srv.base_url, env).validate([by_search, gone])
+        result = InterfaceValidator(notes.spec, srv.base_url, envs).validate([by_search, gone])
     assert result.kept == [by_search]
     assert result.reasons == {gone.query_id: "page 'search_results' /: link 'Tax return 2024' not found"}
     assert result.driven["notes search_results"] == 2
@@ -168,19 +180,19 @@ def test_a_page_entered_by_a_form_is_reached_by_driving_it(env: BrowserEnv) -> N
 
 @pytest.mark.browser
 def test_an_app_that_loses_a_dish_and_a_page_drops_exactly_the_queries_that_used_them(
-        shop: BundledApp, env: BrowserEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+        shop: BundledApp, envs: list[BrowserEnv], monkeypatch: pytest.MonkeyPatch) -> None:
     """The app changes under its spec, as apps do between nights: validation, rerun, notices."""
     import trajforge.envs.apps.shop.app as shop_app
 
     queries = shop_queries(shop, 40)
     with AppServer(shop) as srv:
-        assert InterfaceValidator(shop.spec, srv.base_url, env).validate(queries).kept == queries
+        assert InterfaceValidator(shop.spec, srv.base_url, envs).validate(queries).kept == queries
 
         monkeypatch.setattr(shop_app, "DISHES", {k: v for k, v in shop_app.DISHES.items() if k != "Pad Thai"})
         handle = type(shop).handle
         monkeypatch.setattr(type(shop), "handle", lambda self, request, state: (
             not_found(request.path) if request.path.startswith("/settings") else handle(self, request, state)))
-        result = InterfaceValidator(shop.spec, srv.base_url, env).validate(queries)
+        result = InterfaceValidator(shop.spec, srv.base_url, envs).validate(queries)
 
     uses_dish = {q.query_id for q in queries if json.loads(q.slots_json).get("dish") == "Pad Thai"}
     uses_page = {q.query_id for q in queries if "settings" in q.path}
