@@ -18,7 +18,7 @@ import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Any
@@ -359,6 +359,10 @@ def datasets_expire(
         "--checkpoints", help="Also remove the loop's checkpoint folders older than DAYS, except each chain's "
         "newest (the next night's policy) and those the config names; their rows stay in the checkpoints table.")
     ] = False,
+    responses: Annotated[bool, typer.Option(
+        "--responses", help="Also forget the model answers cached more than DAYS ago: a rerun of a stage that "
+        "asked them asks the model again.")
+    ] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Expire old versions (tagged and current ones kept), then remove the data files and screenshot blobs that
@@ -372,6 +376,8 @@ def datasets_expire(
         # synth.ocr_cache_url shares with other warehouses is left alone.
         shared = settings.synth.ocr_cache_url is not None
         readings = 0 if shared else ws.ocr.forget({ws.blobs.sha256_of(p) for p in gone.blobs}, dry_run=dry_run)
+        cache = ws.gateway.cache if responses else None
+        answers = cache.forget(datetime.now(timezone.utc) - timedelta(days=older_than), dry_run=dry_run) if cache else 0
     table = Table(title="would expire" if dry_run else "expired")
     for col in ("table", "versions expired", "versions kept"):
         table.add_column(col)
@@ -383,6 +389,8 @@ def datasets_expire(
                   f"({readings} OCR readings{', shared cache left alone' if shared else ''}), "
                   f"{len(gone.train_data)} training data folders and {len(gone.checkpoints)} checkpoints "
                   f"({gone.bytes / 1e6:.1f} MB)")
+    if responses:
+        console.print(f"{'would forget' if dry_run else 'forgot'} {answers} cached model answers")
     if dry_run:
         for path in (*gone.data_files, *gone.blobs, *gone.train_data, *gone.checkpoints):
             console.print(f"  {path}", highlight=False)

@@ -87,5 +87,14 @@ class ResponseCache:
         except sa.exc.IntegrityError:
             pass  # another worker stored the same request meanwhile; its answer stands
 
+    def forget(self, before: datetime, *, dry_run: bool = False) -> int:
+        """Remove the answers stored before `before` (UTC), so the table does not grow with every night; a rerun
+        of a stage that asked them asks the model again. How many went, or would go in a dry run."""
+        old = responses.c.created_at < before
+        with self.engine.begin() as conn:
+            if dry_run:
+                return conn.execute(sa.select(sa.func.count()).select_from(responses).where(old)).scalar_one()
+            return conn.execute(responses.delete().where(old)).rowcount
+
     def close(self) -> None:
         self.engine.dispose()

@@ -13,11 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from test_catalog import lineage, query_row, step_row
+from test_pipeline import workspace
 
 from trajforge.data.blobs import BlobStore
 from trajforge.data.catalog import Catalog, UnknownRef
 from trajforge.data.ledger import Ledger, ShardRecord
 from trajforge.data.retention import expire
+from trajforge.llm.cache import ResponseCache, responses
+from trajforge.llm.calls import Completion
 from trajforge.schemas.records import Checkpoint
 from trajforge.schemas.tables import to_arrow
 
@@ -100,13 +103,23 @@ def test_expire_keeps_what_is_younger_than_the_cutoff(tmp_path: Path) -> None:
 
 def test_the_cli_dry_run_lists_and_removes_nothing(replay_night, trajforge_cli) -> None:
     cwd, _ = replay_night
+    cache = ResponseCache(workspace(cwd).catalog.uri)  # the replay night asked no model: one answer from 1999
+    cache.put("f" * 64, "model-x", "judge", "1", Completion("an old answer", "stop", 1, 1))
+    with cache.engine.begin() as conn:
+        conn.execute(responses.update().values(created_at=datetime(1999, 1, 1, tzinfo=timezone.utc)))
     before = sorted(p for p in (cwd / "data" / "warehouse").rglob("*") if p.is_file())
-    proc = subprocess.run([trajforge_cli, "datasets", "expire", "--older-than", "0", "--dry-run", "--checkpoints"],
-                          cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert "would expire" in proc.stdout and "would remove" in proc.stdout and "0 checkpoints" in proc.stdout
-    after = sorted(p for p in (cwd / "data" / "warehouse").rglob("*") if p.is_file())
-    assert [p for p in before if p.suffix != ".lock"] == [p for p in after if p.suffix != ".lock"]
+    try:
+        proc = subprocess.run([trajforge_cli, "datasets", "expire", "--older-than", "0", "--dry-run",
+                               "--checkpoints", "--responses"],
+                              cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert "would expire" in proc.stdout and "would remove" in proc.stdout and "0 checkpoints" in proc.stdout
+        assert "would forget 1 cached model answers" in proc.stdout and cache.get("f" * 64) is not None
+        after = sorted(p for p in (cwd / "data" / "warehouse").rglob("*") if p.is_file())
+        assert [p for p in before if p.suffix != ".lock"] == [p for p in after if p.suffix != ".lock"]
+    finally:
+        assert cache.forget(datetime(2000, 1, 1, tzinfo=timezone.utc)) == 1  # the night as it was
+        cache.close()
 
 
 def checkpoint(catalog: Catalog, name: str, root: str, age: timedelta) -> Path:
