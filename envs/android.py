@@ -13,14 +13,12 @@ Nothing here needs a device at import or construction time; the first command do
 from __future__ import annotations
 
 import json
-import queue
 import re
 import shlex
 import subprocess
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -28,6 +26,7 @@ from typing import Any, TypeVar
 from trajforge.envs import actions, secrets
 from trajforge.envs.axtree import AXNode, Element, PixelBox
 from trajforge.envs.browser import EnvFault, Observation, png_size
+from trajforge.envs.pool import map_envs
 from trajforge.schemas.config import AndroidSettings, AndroidTask
 from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import Query
@@ -260,19 +259,7 @@ class DevicePool:
 
     def map(self, fn: Callable[[AndroidEnv, T], R], items: list[T]) -> list[R]:
         """fn(device, item) for every item, in order, on whichever device is free."""
-        free: queue.Queue[AndroidEnv] = queue.Queue()
-        for env in self.envs:
-            free.put(env)
-
-        def call(item: T) -> R:
-            env = free.get()
-            try:
-                return fn(env, item)
-            finally:
-                free.put(env)
-
-        with ThreadPoolExecutor(max_workers=len(self.envs)) as executor:
-            return list(executor.map(call, items))
+        return map_envs(self.envs, fn, items)
 
 
 def check_probe(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:

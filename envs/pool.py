@@ -4,7 +4,8 @@ One `BrowserHost` (an async Playwright driver and one browser on a loop thread) 
 N `BrowserEnv`s on it, each a context of its own (cookies, storage, cache, history
 apart). `map` runs a function per item on N worker threads, each holding one env
 while it runs, so the function is ordinary blocking code (an episode with a sync
-policy) and the envs' browser calls overlap on the host's loop.
+policy) and the envs' browser calls overlap on the host's loop. `map_envs` is that loop
+over any envs: the Android device pool's and interface validation's too.
 
 Crash recovery needs no supervisor: an env that hit a fault opens a new context at its
 next reset, and the host relaunches the browser first when it died; the episodes that
