@@ -247,15 +247,14 @@ class InterfaceValidator:
             for step in plan:
                 if step.route is not None:
                     needed.setdefault((step.page, step.route), set()).update(step.targets)
-        todo: list[tuple[tuple[str, Route], set[Target]]] = []
+        todo: dict[tuple[str, Route], set[Target]] = {}  # (page, route) -> the elements to look up there
         for key, targets in needed.items():
             known = self.cache.get(key)
             if known is None or (known.load_error is None and not targets <= known.found.keys()):
-                todo.append((key, targets | (known.found.keys() if known else set())))
-        found = map_envs(self.envs, lambda env, visit: self._visit(env, visit[0][1], visit[1]), todo)
-        self.cache.update((key, page) for (key, _), page in zip(todo, found))
-        visits = len(todo)
-        result = ValidationResult([], Counter(), {}, Counter(), visits)
+                todo[key] = targets | (known.found.keys() if known else set())
+        found = map_envs(self.envs, lambda env, key: self._visit(env, key[1], todo[key]), list(todo))
+        self.cache.update(zip(todo, found))
+        result = ValidationResult([], Counter(), {}, Counter(), len(todo))
         for query in queries:
             reason = self._verdict(plans[query.query_id], result.driven)
             if reason is None:

@@ -6,7 +6,6 @@ import uuid
 from datetime import datetime, timezone
 
 import pytest
-import sqlalchemy as sa
 
 from trajforge.llm.cache import ResponseCache, responses
 from trajforge.llm.calls import Completion
@@ -50,5 +49,5 @@ def test_answers_stored_before_a_time_are_forgotten_and_the_rest_stay(db_url):
         assert cache.get(old) is None and cache.get(new) is not None
     finally:
         with cache.engine.begin() as conn:
-            conn.execute(sa.delete(responses).where(responses.c.key.in_([old, new])))
+            conn.execute(responses.delete().where(responses.c.key.in_([old, new])))
         cache.close()

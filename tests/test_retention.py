@@ -106,7 +106,8 @@ def test_the_cli_dry_run_lists_and_removes_nothing(replay_night, trajforge_cli) 
     cache = ResponseCache(workspace(cwd).catalog.uri)  # the replay night asked no model: one answer from 1999
     cache.put("f" * 64, "model-x", "judge", "1", Completion("an old answer", "stop", 1, 1))
     with cache.engine.begin() as conn:
-        conn.execute(responses.update().values(created_at=datetime(1999, 1, 1, tzinfo=timezone.utc)))
+        conn.execute(responses.update().where(responses.c.key == "f" * 64)
+                     .values(created_at=datetime(1999, 1, 1, tzinfo=timezone.utc)))
     before = sorted(p for p in (cwd / "data" / "warehouse").rglob("*") if p.is_file())
     try:
         proc = subprocess.run([trajforge_cli, "datasets", "expire", "--older-than", "0", "--dry-run",
