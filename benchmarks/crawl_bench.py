@@ -2,7 +2,7 @@
 
 Validation visits each (page, route) the queries pass through once: a reset, the form actions that reach a
 page its url cannot show, and the lookup of the elements the next transition needs (query_gen.validation).
-Each visit is mostly waiting (a page load, Blink's 0.15 s :active hold after a tap), so `query_gen.contexts`
+Each visit is mostly waiting (a page load, the app's answer to a form), so `query_gen.contexts`
 contexts of one browser visit pages side by side. The same queries are generated and validated at each
 context count, in this process, the browser's start included; the figure is each count's time as a ratio
 of one context's.

@@ -326,6 +326,7 @@ class BrowserEnv:
         self._home = "about:blank"
         self._closed = False
         self._recorder: str | None = None  # the script add_recorder runs in every page
+        self._held = False  # a tap may still hold :active: the next observation waits it out (`_until_released`)
         self._reports: list[str] = []
 
     # --- running on the host's loop ---------------------------------------------------
@@ -488,6 +489,7 @@ class BrowserEnv:
                 raise EnvFault(f"POST {self._origin}/__reset answered {response.status}", "app_down")
         self._document = None
         self._reports = []
+        self._held = False  # the new document holds nothing
         await self._page.goto(url, wait_until="load")
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
@@ -506,6 +508,9 @@ class BrowserEnv:
 
     async def _observe(self) -> Observation:
         assert self._cdp is not None and self._page is not None
+        if self._held:
+            self._held = False
+            await self._until_released()
         shot, tree, snapshot = await asyncio.gather(
             self._screenshot(),
             self._cdp.send("Accessibility.getFullAXTree"),
@@ -570,7 +575,7 @@ class BrowserEnv:
         if action["type"] not in ("answer", "terminate", "wait"):
             await self._settle()
         if action["type"] == "click" and self._touch:
-            await self._until_released()
+            self._held = True
         return error
 
     async def _until_released(self) -> None:
@@ -578,7 +583,8 @@ class BrowserEnv:
         tap so a finger sees it (a mouse click clears it at once): a screenshot inside that time showed a
         tapped radio button darker, one after it not, so two replays of the same queries differed in 2 of
         67 steps by when the capture came. Polled in the page (`_UNTIL_RELEASED`), since a loaded renderer
-        fires the timer late; one round trip."""
+        fires the timer late; one round trip. Waited for by the next observation, not by the tap: a caller
+        that takes no screenshot after it (interface validation's taps) does not wait."""
         assert self._cdp is not None
         with contextlib.suppress(PlaywrightError):  # the document went away: nothing is held
             await self._cdp.send("Runtime.evaluate", {"expression": _UNTIL_RELEASED, "awaitPromise": True})
