@@ -132,9 +132,10 @@ async def _send_raw(cdp: CDPSession, method: str, params: dict[str, Any] | None 
 
     The public `CDPSession.send` copies every answer through Playwright's impl-to-API mapping, a recursive walk of
     the whole dict: for the accessibility tree, the DOM snapshot and the screenshot that was a quarter of this
-    process's CPU in the env pool (py-spy --gil, env_bench at 4 contexts; 5.8 against 4.9 ms of Python per step
-    without it, 2026-11-28). A CDP answer is plain JSON with nothing to map, so it is taken from the object
-    under the API (Playwright's own private layer: pyproject pins the minor version this was read against)."""
+    process's CPU in the env pool (py-spy --gil, env_bench at 4 contexts: 4.9 ms of Python per step without the
+    mapping against 5.8 with it, 2026-11-28). A CDP answer is plain JSON with nothing to map, so it is taken from
+    the object under the API (Playwright's own private layer: pyproject pins the minor version this was read
+    against). Errors are the same class either way (`playwright.async_api.Error` is the impl's)."""
     answer: dict[str, Any] = await cdp._impl_obj.send(method, params, None)
     return answer
 
