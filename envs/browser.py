@@ -107,6 +107,15 @@ focused field differed by when they were taken (8 captures 0.27 s apart gave 2 d
 them the OCR, the response cache's keys and a rerun's answers (CI: an embedded-model rerun asked the
 model again from its second step on). Playwright's own screenshots hide it the same way; which element
 has focus stays in the accessibility tree."""
+_INVALID_BINDING = "__trajforgeInvalid"
+_REPORT_INVALID = f"""document.addEventListener("invalid", () => window.{_INVALID_BINDING}?.(""), true);"""
+"""Run in every page: a form control that fails its constraints (a required field left empty when its form is
+submitted) tells the env, which then waits out the browser's validation bubble (`VALIDATION_BUBBLE_S`)."""
+VALIDATION_BUBBLE_S = 1.5
+"""How long after a failed form submission the next observation is taken. Chromium fades its "Please fill out
+this field." bubble in over about a second: the writer's Share dialog submitted empty, six times, was captured
+as 6 different PNGs 0.8 s after the click, 2 at 1.0 s and 1 at 1.3 and 2.0 s; captured at once, it was a
+faint ghost of the bubble that the accessibility tree already names (an alert), 5 times out of 6 the same."""
 RECORDER_BINDING = "__trajforgeReport"
 """The function `add_recorder` gives every page: the interaction recorder (envs/apps/_shared/static/interactions.js)
 calls it with its reports where it exists."""
@@ -340,6 +349,7 @@ class BrowserEnv:
         self._closed = False
         self._recorder: str | None = None  # the script add_recorder runs in every page
         self._held = False  # a tap may still hold :active: the next observation waits it out (`_until_released`)
+        self._invalid_at: float | None = None  # when a form last failed validation: its bubble is waited out
         self._reports: list[str] = []
 
     # --- running on the host's loop ---------------------------------------------------
@@ -403,9 +413,15 @@ class BrowserEnv:
         self._context = await browser.new_context(**options)
         self._context.set_default_timeout(self.timeout_s * 1000)
         await self._context.add_init_script(script=_HIDE_CARET)
+        await self._context.add_init_script(script=_REPORT_INVALID)
         await self._install_recorder()
         self._page = await self._context.new_page()
         self._cdp = await self._context.new_cdp_session(self._page)
+        # On this session, so the call arrives before `_settle`'s round trip on it answers; V8 gives a page the
+        # binding only with the Runtime domain on (it installs bindings as it reports each new context).
+        self._cdp.on("Runtime.bindingCalled", self._on_binding)
+        await self._cdp.send("Runtime.addBinding", {"name": _INVALID_BINDING})
+        await self._cdp.send("Runtime.enable")
         self._main_frame = (await self._cdp.send("Page.getFrameTree"))["frameTree"]["frame"]["id"]
         self._nav_done.set()
         # A page that dies while loading never finishes its navigation: stop waiting for it.
@@ -429,6 +445,10 @@ class BrowserEnv:
     def _on_nav_requested(self, params: dict[str, Any]) -> None:
         if params.get("frameId") == self._main_frame:
             self._nav_done.clear()
+
+    def _on_binding(self, params: dict[str, Any]) -> None:
+        if params.get("name") == _INVALID_BINDING:
+            self._invalid_at = time.monotonic()
 
     def _on_navigated(self, params: dict[str, Any]) -> None:
         parts = urlsplit(params["frame"].get("url", ""))
@@ -503,6 +523,7 @@ class BrowserEnv:
         self._document = None
         self._reports = []
         self._held = False  # the new document holds nothing
+        self._invalid_at = None  # nor shows a validation bubble
         await self._page.goto(url, wait_until="load")
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
@@ -524,6 +545,9 @@ class BrowserEnv:
         if self._held:
             self._held = False
             await self._until_released()
+        if self._invalid_at is not None:
+            await asyncio.sleep(self._invalid_at + VALIDATION_BUBBLE_S - time.monotonic())  # <= 0: at once
+            self._invalid_at = None
         shot, tree, snapshot = await asyncio.gather(
             self._screenshot(),
             _send_raw(self._cdp, "Accessibility.getFullAXTree"),

@@ -185,6 +185,32 @@ def test_a_tapped_button_is_observed_as_it_stays(mobile: BrowserEnv) -> None:
 
 
 @pytest.mark.browser
+def test_a_form_that_fails_validation_is_observed_with_its_whole_bubble(chromium: Path) -> None:
+    """Chromium fades its "Please fill out this field." bubble in over about a second; the observation after a
+    failed submission waits it out, so each capture shows the whole bubble the tree names (not a faint ghost
+    that depends on when it was taken)."""
+    from trajforge.envs.apps import AppServer, load_app
+
+    def click(env: BrowserEnv, name: str) -> None:
+        (node,) = [n for n in env.observe().nodes if n.role == "button" and n.name == name]
+        x, y, w, h = node.box
+        ok(env, {"type": "click", "x": x + w / 2, "y": y + h / 2})
+
+    captures = []
+    with AppServer(load_app("writer")) as srv, BrowserEnv(viewport="desktop", chromium=chromium) as env:
+        for session in ("first", "second"):
+            env.reset(session, srv.base_url + "/")
+            click(env, "Share")
+            click(env, "Send invite")  # the dialog's email field is required and empty
+            obs = env.observe()
+            assert "Please fill out this field." in [n.name for n in obs.nodes if n.role == "alert"]
+            captures.append(obs.png)
+        time.sleep(0.5)
+        assert env.observe().png == captures[-1]  # nothing was still fading in
+    assert captures[0] == captures[1]
+
+
+@pytest.mark.browser
 def test_mobile_long_press_holds(mobile: BrowserEnv) -> None:
     x, y = center(mobile, "pad")
     ok(mobile, {"type": "long_press", "x": x, "y": y, "duration": 0.6})
