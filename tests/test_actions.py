@@ -23,6 +23,7 @@ import pytest
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs import actions
+from trajforge.envs.apps import AppServer, load_app
 from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.policy import PolicyOutput
@@ -189,8 +190,6 @@ def test_a_form_that_fails_validation_is_observed_with_its_whole_bubble(chromium
     """Chromium fades its "Please fill out this field." bubble in over about a second; the observation after a
     failed submission waits it out, so each capture shows the whole bubble the tree names (not a faint ghost
     that depends on when it was taken)."""
-    from trajforge.envs.apps import AppServer, load_app
-
     def click(env: BrowserEnv, name: str) -> None:
         (node,) = [n for n in env.observe().nodes if n.role == "button" and n.name == name]
         x, y, w, h = node.box
