@@ -160,6 +160,17 @@ class EnvFault(RuntimeError):
         self.kind: FaultKind = kind
 
 
+def recorded_url(url: str, origin: str | None) -> str:
+    """A page's URL as observations (and so every row) keep it: on `origin`, the origin the env was last reset on,
+    its path, query and fragment ("/search?q=pizza"); elsewhere the whole URL. A bundled app answers on a new
+    port every night, so the whole URL of the same page differed between nights: agentic-Q's states never
+    matched across them, and the port reached the critics' and guidance's prompts. Secrets set in this process
+    are masked (`secrets.mask`): a form sent by GET puts what was typed in the URL."""
+    if origin and (url == origin or url.startswith(origin + "/")):
+        url = url[len(origin):] or "/"
+    return secrets.mask(url)
+
+
 @dataclass(frozen=True)
 class Observation:
     """What a policy sees: the screenshot (PNG) and the page's accessibility tree with boxes."""
@@ -168,6 +179,7 @@ class Observation:
     width: int
     height: int
     url: str
+    """`recorded_url`: the path on the app's origin, the whole URL elsewhere (env.url is the live page's)."""
     title: str
     nodes: tuple[AXNode, ...]
     """The accessibility tree, in document order: what live code reads."""
@@ -566,8 +578,9 @@ class BrowserEnv:
                       if not n.get("ignored") and n.get("backendDOMNodeId") in layout.boxes]
         nodes, focused = from_cdp(tree["nodes"], layout.boxes, layout.covered(candidates, (width, height)))
         self._seen = (tree["nodes"], layout)
-        title = strings[doc["title"]] if doc["title"] >= 0 else ""
-        return Observation(png, width, height, self._page.url, title, tuple(nodes), focused)
+        title = secrets.mask(strings[doc["title"]]) if doc["title"] >= 0 else ""
+        return Observation(png, width, height, recorded_url(self._page.url, self._origin), title, tuple(nodes),
+                           focused)
 
     async def _screenshot(self) -> dict[str, Any]:
         """`Page.captureScreenshot`, asked again when Chromium had no frame to give yet.

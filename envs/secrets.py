@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from urllib.parse import quote, quote_plus
 
 from trajforge.schemas.config import SECRET_PREFIX as VARIABLE_PREFIX
 
@@ -33,10 +34,13 @@ def unset(text: str) -> str | None:
 
 def mask(text: str) -> str:
     """`text` with the value of every secret set in this process replaced by its placeholder: for what an app
-    answers or shows outside the screen (a user's app may echo what was typed into it)."""
+    answers or shows outside the screen (a user's app may echo what was typed into it, a form sent by GET puts
+    it in the URL). The value is also found URL-encoded, as a query string or a path carries it."""
     for name, value in os.environ.items():
         if name.startswith(VARIABLE_PREFIX) and value:
-            text = text.replace(value, f"<secret>{name.removeprefix(VARIABLE_PREFIX).lower()}</secret>")
+            placeholder = f"<secret>{name.removeprefix(VARIABLE_PREFIX).lower()}</secret>"
+            for form in dict.fromkeys((value, quote_plus(value), quote(value, safe=""))):
+                text = text.replace(form, placeholder)
     return text
 
 

@@ -92,7 +92,8 @@ class Episode(Record):
         description="stalled: the policy gave too many invalid actions in a row to go on."
     )
     num_steps: int = Field(ge=0)
-    final_url: str
+    final_url: str = Field(description="The last observation's URL, as steps keep theirs; empty when the env "
+                           "failed before the first.")
     final_state_json: str = Field(description="The app's state read from its server when the episode ended.")
     fault: str | None = None
     started_at: datetime
@@ -140,7 +141,8 @@ class Step(Record):
     screenshot_after: str
     width: int = Field(gt=0, description="Screenshot width in pixels; coordinates are pixels of it.")
     height: int = Field(gt=0)
-    url_before: str
+    url_before: str = Field(description="The page's path on the app's origin ('/search?q=pizza'), or its whole URL "
+                            "on another origin (`envs.browser.recorded_url`); secrets masked.")
     url_after: str
     title_before: str
     title_after: str
@@ -203,7 +205,7 @@ class Page(Record):
     viewport: str
     width: int = Field(gt=0)
     height: int = Field(gt=0)
-    url: str
+    url: str = Field(description="As in step rows: the path on the app's origin.")
     title: str
     ax_tree: str = Field(description="The accessibility tree as rendered in step rows (`envs.axtree.render`).")
 

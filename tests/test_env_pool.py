@@ -22,7 +22,7 @@ import pytest
 
 from trajforge.data.blobs import BlobRef, BlobStore
 from trajforge.envs.apps import AppServer, BundledApp, load_app
-from trajforge.envs.browser import BrowserEnv, EnvFault
+from trajforge.envs.browser import BrowserEnv, EnvFault, recorded_url
 from trajforge.envs.pool import EnvPool
 from trajforge.envs.spec import AppSpec
 from trajforge.rollout.episode import run_episode
@@ -325,3 +325,30 @@ def test_a_secret_is_typed_as_its_value_and_recorded_as_its_placeholder(
         state = env.app_state()
     assert state["signed_in"] == "alice" and state["failed_sign_ins"] == 0
     assert ACCOUNT_PASSWORD not in json.dumps(state), "the interaction recorder keeps a password field as bullets"
+
+
+@pytest.mark.browser
+def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_masked(
+        pool: EnvPool, server: AppServer, shop: BundledApp, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundled app answers on a new port every night: the same steps on two servers of the shop record the same
+    URLs, its paths. A secret typed into a form sent by GET is in the live URL, URL-encoded, and in no
+    observation; a page on another origin keeps its whole URL."""
+    secret = "harbor Tide@8312"  # a space and an @: the query string carries "harbor+Tide%408312"
+    monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", secret)
+    env = pool.envs[0]
+    seen: list[list[str]] = []
+    with AppServer(shop) as other:
+        assert other.base_url != server.base_url
+        for base in (server.base_url, other.base_url):
+            env.reset("urls", base + "/search")
+            [(x, y, w, h)] = env.find_element("searchbox", "Search dishes")
+            assert env.act({"type": "click", "x": x + w / 2, "y": y + h / 2}) is None
+            assert env.act({"type": "type", "text": "<secret>account_password</secret>"}) is None
+            assert env.act({"type": "key", "keys": ["Enter"]}) is None
+            assert "harbor+Tide%408312" in env.url  # the live page's URL, what the app answered
+            searched = env.observe().url
+            env.reset("urls", base + "/")
+            seen.append([searched, env.observe().url])
+    assert seen[0] == seen[1] == ["/search?q=<secret>account_password</secret>", "/"]
+    assert recorded_url("http://127.0.0.1:8001/cart", "http://127.0.0.1:800") == "http://127.0.0.1:8001/cart"
+    assert recorded_url("https://example.org/a?b=1", "http://127.0.0.1:8001") == "https://example.org/a?b=1"
