@@ -186,10 +186,12 @@ class Observation:
     focused: Element | None = None
     """The focused element, when it is not the page itself: a `type` or `key` action's target."""
     ax_tree: str = field(init=False, repr=False)
-    """`nodes` as text (`axtree.render`), derived so the two cannot disagree: what prompts and step rows hold."""
+    """`nodes` as text (`axtree.render`), derived so the two cannot disagree: what prompts and step rows hold.
+    Secrets are masked in it: a secret typed into a field that is not a password field (a key, a one-time code)
+    is in that field's value and wherever the page echoes it. The screenshot still shows it, as the screen does."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ax_tree", render(self.nodes))
+        object.__setattr__(self, "ax_tree", secrets.mask(render(self.nodes)))
 
     def targets(self) -> list[Target]:
         """The named interactive elements whose centre is on the screen, in document order: what a click can
@@ -739,7 +741,9 @@ class BrowserEnv:
         status, body = await self._request("GET", origin + "/__state")
         if not 200 <= status < 300:
             raise EnvFault(f"GET {origin}/__state answered {status}", "app_down")
-        state: dict[str, Any] = json.loads(body)
+        # Masked as an app directory's state is (`envs.appdir`): a recorder's report of a plain field holds what
+        # was typed into it.
+        state: dict[str, Any] = json.loads(secrets.mask(body))
         return state
 
     def add_recorder(self, script: str) -> None:

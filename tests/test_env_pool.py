@@ -332,7 +332,7 @@ def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_mas
         pool: EnvPool, server: AppServer, shop: BundledApp, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bundled app answers on a new port every night: the same steps on two servers of the shop record the same
     URLs, its paths. A secret typed into a form sent by GET is in the live URL, URL-encoded, and in no
-    observation; a page on another origin keeps its whole URL."""
+    observation's URL, tree or app state; a page on another origin keeps its whole URL."""
     secret = "harbor Tide@8312"  # a space and an @: the query string carries "harbor+Tide%408312"
     monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", secret)
     env = pool.envs[0]
@@ -346,9 +346,13 @@ def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_mas
             assert env.act({"type": "type", "text": "<secret>account_password</secret>"}) is None
             assert env.act({"type": "key", "keys": ["Enter"]}) is None
             assert "harbor+Tide%408312" in env.url  # the live page's URL, what the app answered
-            searched = env.observe().url
+            searched = env.observe()
+            # A plain field: the value is in the tree (the search box, the results' heading), masked.
+            assert "harbor Tide@8312" not in searched.ax_tree and searched.ax_tree.count(
+                "<secret>account_password</secret>") >= 2, searched.ax_tree
+            assert "harbor Tide@8312" not in json.dumps(env.app_state())  # the recorder's report of the field
             env.reset("urls", base + "/")
-            seen.append([searched, env.observe().url])
+            seen.append([searched.url, env.observe().url])
     assert seen[0] == seen[1] == ["/search?q=<secret>account_password</secret>", "/"]
     assert recorded_url("http://127.0.0.1:8001/cart", "http://127.0.0.1:800") == "http://127.0.0.1:8001/cart"
     assert recorded_url("https://example.org/a?b=1", "http://127.0.0.1:8001") == "https://example.org/a?b=1"
