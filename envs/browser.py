@@ -164,11 +164,10 @@ def recorded_url(url: str, origin: str | None) -> str:
     """A page's URL as observations (and so every row) keep it: on `origin`, the origin the env was last reset on,
     its path, query and fragment ("/search?q=pizza"); elsewhere the whole URL. A bundled app answers on a new
     port every night, so the whole URL of the same page differed between nights: agentic-Q's states never
-    matched across them, and the port reached the critics' and guidance's prompts. Secrets set in this process
-    are masked (`secrets.mask`): a form sent by GET puts what was typed in the URL."""
+    matched across them, and the port reached the critics' and guidance's prompts."""
     if origin and (url == origin or url.startswith(origin + "/")):
-        url = url[len(origin):] or "/"
-    return secrets.mask(url)
+        return url[len(origin):] or "/"
+    return url
 
 
 @dataclass(frozen=True)
@@ -186,11 +185,15 @@ class Observation:
     focused: Element | None = None
     """The focused element, when it is not the page itself: a `type` or `key` action's target."""
     ax_tree: str = field(init=False, repr=False)
-    """`nodes` as text (`axtree.render`), derived so the two cannot disagree: what prompts and step rows hold.
-    Secrets are masked in it: a secret typed into a field that is not a password field (a key, a one-time code)
-    is in that field's value and wherever the page echoes it. The screenshot still shows it, as the screen does."""
+    """`nodes` as text (`axtree.render`), derived so the two cannot disagree: what prompts and step rows hold."""
 
     def __post_init__(self) -> None:
+        # What the data keeps has secrets masked (`secrets.mask`): a form sent by GET puts what was typed in the
+        # URL, and a secret typed into a field that is not a password field (a key, a one-time code) is in the
+        # tree as that field's value and wherever the page echoes it. The screenshot still shows it, as the
+        # screen does; `nodes` keep it for live code.
+        object.__setattr__(self, "url", secrets.mask(self.url))
+        object.__setattr__(self, "title", secrets.mask(self.title))
         object.__setattr__(self, "ax_tree", secrets.mask(render(self.nodes)))
 
     def targets(self) -> list[Target]:
@@ -580,7 +583,7 @@ class BrowserEnv:
                       if not n.get("ignored") and n.get("backendDOMNodeId") in layout.boxes]
         nodes, focused = from_cdp(tree["nodes"], layout.boxes, layout.covered(candidates, (width, height)))
         self._seen = (tree["nodes"], layout)
-        title = secrets.mask(strings[doc["title"]]) if doc["title"] >= 0 else ""
+        title = strings[doc["title"]] if doc["title"] >= 0 else ""
         return Observation(png, width, height, recorded_url(self._page.url, self._origin), title, tuple(nodes),
                            focused)
 

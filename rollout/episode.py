@@ -93,12 +93,11 @@ def run_episode(
     status, fault, fault_kind = "max_steps", None, None
     invalid_in_a_row = repeats_in_a_row = 0
     final_state: dict[str, Any] = {}
-    final_url = ""  # the last observation's (`Observation.url`); none when the env failed before the first
+    before: Observation | None = None  # the last observation; none when the env failed before the first
     try:
         env.reset(episode_id, start_url)
         policy.reset(q)
         before = env.observe()
-        final_url = before.url
         before_ref = blobs.put(before.png)
         for index in range(limit):
             t0 = time.perf_counter()
@@ -146,7 +145,6 @@ def run_episode(
                         and (steps[-2].action_type, steps[-2].action_json) == (steps[-1].action_type,
                                                                                steps[-1].action_json))
             before, before_ref = after, after_ref
-            final_url = after.url
             invalid_in_a_row = invalid_in_a_row + 1 if error is not None else 0
             repeats_in_a_row = repeats_in_a_row + 1 if repeated else 0
             if max_invalid is not None and invalid_in_a_row >= max_invalid:
@@ -178,7 +176,7 @@ def run_episode(
         viewport=viewport or env.viewport,
         status=status,  # type: ignore[arg-type]
         num_steps=len(steps),
-        final_url=final_url,
+        final_url=before.url if before is not None else "",
         final_state_json=json.dumps(final_state, sort_keys=True),
         fault=fault,
         started_at=started,
