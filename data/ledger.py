@@ -225,6 +225,14 @@ class Ledger:
             ).scalar()
         return json.loads(value) if value else None
 
+    def committed_runs(self, stage: str) -> set[str]:
+        """The runs whose `stage` committed every table. A loader that skips work done by earlier runs counts
+        only these: a run killed between two of a stage's table commits has rows in the first table, and a
+        rerun that counted them as done would plan fewer shards than it recorded, and lose their rows."""
+        with self.engine.connect() as conn:
+            return set(conn.execute(sa.select(stages.c.run_id).where(stages.c.stage == stage,
+                                                                     stages.c.snapshots.is_not(None))).scalars())
+
     def mark_committed(self, run_id: str, stage: str, snapshots: dict[str, int]) -> None:
         with self.engine.begin() as conn:
             conn.execute(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from trajforge.envs.apps import UnknownAppError
-from trajforge.envs.kinds import check_episode, kind_for
+from trajforge.envs.kinds import check_episode
 from trajforge.guidance.history import buffer_entry
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import query_version, rollout, spec_hash
@@ -54,7 +54,10 @@ def load_references(ws: Workspace, snapshot: int | None) -> Inputs[ReferenceUnit
         episodes = ws.catalog.load("episodes", episodes_snapshot)
         if "query_version" in episodes.columns:
             # an env fault (a timeout on a loaded machine) recorded nothing: its version is replayed again
-            done = episodes.filter((pl.col("source") == "reference") & (pl.col("status") != "env_fault"))
+            # only runs whose stage committed every table (`Ledger.committed_runs`): this run's own episodes,
+            # committed before a kill cut its steps' commit, are still to do
+            done = episodes.filter((pl.col("source") == "reference") & (pl.col("status") != "env_fault")
+                                   & pl.col("run_id").is_in(list(ws.ledger.committed_runs("reference"))))
             recorded = set(done["query_version"].drop_nulls())
     specs: dict[str, str] = {}
     units = []

@@ -423,11 +423,13 @@ def prompt_fingerprint(ws: Workspace) -> str:
 
 
 def _grounded_before(ws: Workspace, this_config: str) -> set[str]:
-    """Screenshots an earlier version of `grounding` grounded with the same configuration."""
+    """Screenshots an earlier version of `grounding` grounded with the same configuration (its runs whose stage
+    committed: `Ledger.committed_runs`)."""
     if "grounding" not in ws.catalog.tables():
         return set()
     runs = {info.lineage.run_id for info in ws.catalog.history("grounding")
             if info.lineage is not None and info.lineage.config_hash == this_config}
+    runs &= ws.ledger.committed_runs("grounding")
     if not runs:
         return set()
     frame = ws.catalog.scan("grounding").select("run_id", "screenshot").filter(pl.col("run_id").is_in(list(runs)))

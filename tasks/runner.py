@@ -36,8 +36,12 @@ class StagePlan:
     inputs: dict[str, int]
     config_hash: str
     pending: list[Shard]
-    total: int
+    shard_ids: frozenset[str]
     input_stats: Counter[str]
+
+    @property
+    def total(self) -> int:
+        return len(self.shard_ids)
 
 
 def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> StagePlan:
@@ -57,7 +61,7 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         inputs=inputs.snapshots,
         config_hash=config_hash(ws.settings, stage.sections, inputs.fingerprint),
         pending=[s for s in shards if s.shard_id not in done],
-        total=len(shards),
+        shard_ids=frozenset(s.shard_id for s in shards),
         input_stats=inputs.stats,
     )
 
@@ -97,8 +101,13 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
     if already is not None:
         return already
     records = ws.ledger.shards_done(run_id, stage.name)
-    if len(records) != plan.total:
-        raise RuntimeError(f"stage {stage.name!r}: {plan.total - len(records)} shard(s) not done; rerun to resume")
+    done = {r.shard_id for r in records}
+    if done - plan.shard_ids:
+        # a loader that counted this run's own first table commit as earlier work planned fewer units
+        raise RuntimeError(f"stage {stage.name!r}: the ledger holds {len(done - plan.shard_ids)} shard(s) this "
+                           "plan does not have: the stage's inputs changed since they ran")
+    if plan.shard_ids - done:
+        raise RuntimeError(f"stage {stage.name!r}: {len(plan.shard_ids - done)} shard(s) not done; rerun to resume")
     kept: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     stats: Counter[str] = Counter(plan.input_stats)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from trajforge.data.catalog import Lineage
+from trajforge.data.catalog import Lineage, commit_key
 from trajforge.guidance import reference
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.schemas.config import Settings
-from trajforge.tasks.runner import run_inline
+from trajforge.tasks.runner import commit, plan, run_inline, run_shard
 
 pytestmark = pytest.mark.browser
 
@@ -79,3 +79,28 @@ def test_a_version_whose_replay_hit_an_env_fault_is_replayed_again(night):
         stage="reference", run_id="faulted", commit_key="faulted-episodes", config_hash="-", code_version="-"))
     units = reference.load_references(ws, snapshot).units
     assert [(u.viewport, u.version) for u in units] == [("mobile", mobile.version)]
+
+
+def test_a_run_killed_between_its_episodes_and_steps_commits_commits_the_steps_on_rerun(night):
+    """The kill lands after the episodes' commit: the rerun must not count its own episodes as recorded by an
+    earlier run, or it plans no shard and cannot commit the steps it already wrote."""
+    ws, queries_snapshot, _ = night
+    query = ws.catalog.load("queries", queries_snapshot).with_columns(
+        pl.lit("killed").alias("run_id"), pl.col("max_steps") + 3).head(1)
+    snapshot = ws.catalog.commit_rows("queries", query.to_dicts(), Lineage(
+        stage="edit", run_id="killed", commit_key="killed-queries", config_hash="-", code_version="-"), "overwrite")
+    run = ws.ledger.open_run("test", "killed").run_id
+    staged = plan(reference.STAGE, ws, run, snapshot)
+    for shard in staged.pending:
+        run_shard(staged, shard, ws)
+    files = [f for r in ws.ledger.shards_done(run, "reference") for f in r.files["episodes"]]
+    ws.catalog.commit_files("episodes", files, Lineage(
+        stage="reference", run_id=run, commit_key=commit_key(run, "reference", "episodes"), config_hash="-",
+        code_version="-"), "append")
+
+    again = plan(reference.STAGE, ws, run, snapshot)
+    assert (again.shard_ids, again.pending) == (staged.shard_ids, [])
+    snapshots = commit(again, ws)
+    episodes = ws.catalog.load("episodes", snapshots["episodes"]).filter(pl.col("run_id") == run)
+    steps = ws.catalog.load("steps", snapshots["steps"]).filter(pl.col("run_id") == run)
+    assert episodes.height == 2 and set(steps["episode_id"]) == set(episodes["episode_id"])

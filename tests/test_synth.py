@@ -22,11 +22,13 @@ from starlette.responses import JSONResponse, Response
 from test_llm_failures import ScriptedServer
 
 from trajforge.critics.annotate import POINT_COLOR, annotate
+from trajforge.data.catalog import Lineage, commit_key
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
 from trajforge.schemas.config import Settings
+from trajforge.schemas.stage import config_hash
 from trajforge.synth import grounding, planning, reasoning, semantics
 from trajforge.tasks.runner import run_inline
 
@@ -402,3 +404,24 @@ def test_a_step_the_agent_team_decided_is_distilled_into_one_reasoning(recorded,
     assert row.hint_style == "distilled" and "The plan says open the note" in row.messages_json
     asked = model.requests[-1]["body"]["messages"][-1]
     assert "notetaker" not in json.dumps(asked) and "worker:" in json.dumps(asked)
+
+
+def test_screens_a_killed_run_committed_to_grounding_alone_are_still_its_work(recorded, grounded, model):
+    """A run killed between the `grounding` and `train_grounding` commits: on rerun, its own rows in `grounding`
+    are not an earlier run's work (the ledger has not seen the stage commit), or it would plan fewer shards
+    than it ran. Once the ledger marks the commit, they are."""
+    root, _, snapshots = recorded
+    ws = workspace(root, model.url, iou_threshold=0.4)  # another configuration: every screen is work again
+    before = {s.screenshot for s in grounding.load_screens(ws, snapshots["steps"]).units}
+    run = ws.ledger.open_run("test", "killed").run_id
+    rows = ws.catalog.load("grounding").with_columns(pl.lit(run).alias("run_id"))
+    this_config = config_hash(ws.settings, grounding.SECTIONS, grounding.prompt_fingerprint(ws))
+    ws.catalog.commit_rows("grounding", rows.to_dicts(), Lineage(
+        stage="grounding", run_id=run, commit_key=commit_key(run, "grounding", "grounding"), config_hash=this_config,
+        code_version="-"))
+    assert {s.screenshot for s in grounding.load_screens(ws, snapshots["steps"]).units} == before
+
+    ws.ledger.plan_stage(run, "grounding", 1)
+    ws.ledger.mark_committed(run, "grounding", {})
+    after = {s.screenshot for s in grounding.load_screens(ws, snapshots["steps"]).units}
+    assert set(rows["screenshot"]) & before and after == before - set(rows["screenshot"])
