@@ -190,11 +190,17 @@ class Observation:
     def __post_init__(self) -> None:
         # What the data keeps has secrets masked (`secrets.mask`): a form sent by GET puts what was typed in the
         # URL, and a secret typed into a field that is not a password field (a key, a one-time code) is in the
-        # tree as that field's value and wherever the page echoes it. The screenshot still shows it, as the
-        # screen does; `nodes` keep it for live code.
+        # tree as that field's value and wherever the page echoes it, and so on the screenshot, where the
+        # boxes of those nodes are covered. `nodes` keep it for live code.
         object.__setattr__(self, "url", secrets.mask(self.url))
         object.__setattr__(self, "title", secrets.mask(self.title))
-        object.__setattr__(self, "ax_tree", secrets.mask(render(self.nodes)))
+        tree = render(self.nodes)
+        masked = secrets.mask(tree)
+        object.__setattr__(self, "ax_tree", masked)
+        if masked != tree:  # rare: only then is each node's text looked at
+            shown = [n.box for n in self.nodes if n.box is not None and secrets.mask(n.name + "\n" + n.value)
+                     != n.name + "\n" + n.value]
+            object.__setattr__(self, "png", secrets.cover(self.png, shown))
 
     def targets(self) -> list[Target]:
         """The named interactive elements whose centre is on the screen, in document order: what a click can

@@ -11,9 +11,13 @@ accessibility tree. Every worker that types needs the variable, as it needs the 
 
 from __future__ import annotations
 
+import io
 import os
 import re
+from collections.abc import Iterable
 from urllib.parse import quote, quote_plus
+
+from PIL import Image, ImageDraw
 
 from trajforge.schemas.config import SECRET_PREFIX as VARIABLE_PREFIX
 
@@ -42,6 +46,18 @@ def mask(text: str) -> str:
             for form in dict.fromkeys((value, quote_plus(value), quote(value, safe=""))):
                 text = text.replace(form, placeholder)
     return text
+
+
+def cover(png: bytes, boxes: Iterable[tuple[int, int, int, int]]) -> bytes:
+    """`png` with each (x, y, width, height) box filled black: where a screenshot shows a secret that was typed
+    into a field that is not a password field, or that the page echoes (the tree says where)."""
+    image = Image.open(io.BytesIO(png))
+    draw = ImageDraw.Draw(image)
+    for x, y, w, h in boxes:
+        draw.rectangle((x, y, x + w - 1, y + h - 1), fill="black")
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def reveal(text: str) -> str:

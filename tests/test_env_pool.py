@@ -6,6 +6,7 @@ killed browser, a server that is down, one that never answers) classified and re
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import cast
 
 import networkx as nx
 import pytest
+from PIL import Image
 
 from trajforge.data.blobs import BlobRef, BlobStore
 from trajforge.envs.apps import AppServer, BundledApp, load_app
@@ -351,6 +353,11 @@ def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_mas
             assert "harbor Tide@8312" not in searched.ax_tree and searched.ax_tree.count(
                 "<secret>account_password</secret>") >= 2, searched.ax_tree
             assert "harbor Tide@8312" not in json.dumps(env.app_state())  # the recorder's report of the field
+            # ... and on the screenshot, where those nodes are, covered
+            shown = [n.box for n in searched.nodes if (secret in n.name or secret in n.value) and n.box is not None]
+            image = Image.open(io.BytesIO(searched.png)).convert("RGB")
+            assert len(shown) >= 2 and all(image.crop((x, y, x + w, y + h)).getcolors() == [(w * h, (0, 0, 0))]
+                                           for x, y, w, h in shown)
             env.reset("urls", base + "/")
             seen.append([searched.url, env.observe().url])
     assert seen[0] == seen[1] == ["/search?q=<secret>account_password</secret>", "/"]
