@@ -108,9 +108,23 @@ them the OCR, the response cache's keys and a rerun's answers (CI: an embedded-m
 model again from its second step on). Playwright's own screenshots hide it the same way; which element
 has focus stays in the accessibility tree."""
 _INVALID_BINDING = "__trajforgeInvalid"
-_REPORT_INVALID = f"""document.addEventListener("invalid", () => window.{_INVALID_BINDING}?.(""), true);"""
+_REPORT_INVALID = f"""(() => {{
+  let checking = 0;
+  for (const C of [HTMLFormElement, HTMLFieldSetElement, HTMLInputElement, HTMLSelectElement, HTMLTextAreaElement,
+                   HTMLButtonElement, HTMLObjectElement, HTMLOutputElement, window.ElementInternals]) {{
+    const check = C?.prototype.checkValidity;
+    if (!check) continue;
+    C.prototype.checkValidity = function () {{
+      checking++;
+      try {{ return check.call(this); }} finally {{ checking--; }}
+    }};
+  }}
+  document.addEventListener("invalid", () => {{ if (!checking) window.{_INVALID_BINDING}?.(""); }}, true);
+}})();"""
 """Run in every page: a form control that fails its constraints (a required field left empty when its form is
-submitted) tells the env, which then waits out the browser's validation bubble (`VALIDATION_BUBBLE_S`)."""
+submitted, or a script's `reportValidity()`) tells the env, which then waits out the browser's validation bubble
+(`VALIDATION_BUBBLE_S`). A script's `checkValidity()` fires the same `invalid` events and shows no bubble (a form
+that enables its button as it is filled calls it on every key), so the events it fires are not told."""
 VALIDATION_BUBBLE_S = 1.5
 """How long after a failed form submission the next observation is taken. Chromium fades its "Please fill out
 this field." bubble in over about a second: the writer's Share dialog submitted empty, six times, was captured
@@ -372,7 +386,8 @@ class BrowserEnv:
         self._closed = False
         self._recorder: str | None = None  # the script add_recorder runs in every page
         self._held = False  # a tap may still hold :active: the next observation waits it out (`_until_released`)
-        self._invalid_at: float | None = None  # when a form last failed validation: its bubble is waited out
+        self.validation_failed_at: float | None = None
+        """When (monotonic) a form last failed validation with a bubble; the next observation waits it out."""
         self._reports: list[str] = []
 
     # --- running on the host's loop ---------------------------------------------------
@@ -471,7 +486,7 @@ class BrowserEnv:
 
     def _on_binding(self, params: dict[str, Any]) -> None:
         if params.get("name") == _INVALID_BINDING:
-            self._invalid_at = time.monotonic()
+            self.validation_failed_at = time.monotonic()
 
     def _on_navigated(self, params: dict[str, Any]) -> None:
         parts = urlsplit(params["frame"].get("url", ""))
@@ -546,7 +561,7 @@ class BrowserEnv:
         self._document = None
         self._reports = []
         self._held = False  # the new document holds nothing
-        self._invalid_at = None  # nor shows a validation bubble
+        self.validation_failed_at = None  # nor shows a validation bubble
         await self._page.goto(url, wait_until="load")
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
@@ -568,9 +583,9 @@ class BrowserEnv:
         if self._held:
             self._held = False
             await self._until_released()
-        if self._invalid_at is not None:
-            await asyncio.sleep(self._invalid_at + VALIDATION_BUBBLE_S - time.monotonic())  # <= 0: at once
-            self._invalid_at = None
+        if self.validation_failed_at is not None:
+            await asyncio.sleep(self.validation_failed_at + VALIDATION_BUBBLE_S - time.monotonic())  # <= 0: at once
+            self.validation_failed_at = None
         shot, tree, snapshot = await asyncio.gather(
             self._screenshot(),
             _send_raw(self._cdp, "Accessibility.getFullAXTree"),

@@ -210,6 +210,26 @@ def test_a_form_that_fails_validation_is_observed_with_its_whole_bubble(chromium
 
 
 @pytest.mark.browser
+def test_a_script_checking_validity_is_not_taken_for_a_bubble_and_report_validity_is(chromium: Path, site: str) -> None:
+    """A form that enables its button as it is filled calls checkValidity() on every key: the `invalid` events
+    it fires show no bubble, so no observation waits for one; reportValidity() shows one, and it is waited out."""
+    with BrowserEnv(site + "/validity.html", viewport="desktop", chromium=chromium) as env:
+        env.reset("validity")
+        (field,) = [n for n in env.observe().nodes if n.role == "textbox"]
+        x, y, w, h = field.box
+        ok(env, {"type": "click", "x": x + w / 2, "y": y + h / 2})
+        ok(env, {"type": "type", "text": "not-an-email"})
+        assert env.page.evaluate("window.invalidEvents") >= 1  # the script's checks failed, firing `invalid`
+        assert env.validation_failed_at is None
+        (report,) = [n for n in env.observe().nodes if n.role == "button" and n.name == "Check now"]
+        x, y, w, h = report.box
+        ok(env, {"type": "click", "x": x + w / 2, "y": y + h / 2})
+        assert env.validation_failed_at is not None
+        assert any(n.role == "alert" for n in env.observe().nodes)  # the bubble the observation waited for
+        assert env.validation_failed_at is None
+
+
+@pytest.mark.browser
 def test_mobile_long_press_holds(mobile: BrowserEnv) -> None:
     x, y = center(mobile, "pad")
     ok(mobile, {"type": "long_press", "x": x, "y": y, "duration": 0.6})
