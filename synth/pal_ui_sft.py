@@ -208,6 +208,8 @@ def load_passes(ws: Workspace, snapshot: int | None) -> Inputs[PalUITeacher]:
     """The kept passes of the run that wrote this version of `pal_ui_teacher`; the others counted by reason."""
     rows, snapshot = ws.catalog.rows_added("pal_ui_teacher", snapshot)
     inputs = Inputs[PalUITeacher](units=[], snapshots={"pal_ui_teacher": snapshot})
+    if rows.height == 0:
+        inputs.stats["pal_ui_teacher version without a teacher pass"] += 1
     for record in rows.to_dicts():
         row = PalUITeacher.model_validate(record)
         inputs.stats["teacher passes"] += 1

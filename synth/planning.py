@@ -216,6 +216,8 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
         if spec is None:
             continue
         pages, elements = spec_names(spec)
+        if cfg.writer != "model":
+            out.stats["synth.writer is template: no plan asked"] += 1
         for i in range(cfg.plans_per_app if cfg.writer == "model" else 0):
             plan, model_id, problem = planner.ask(
                 PLAN, PlanAnswer, app=spec.title,

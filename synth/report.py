@@ -7,6 +7,7 @@ it. Everything comes from the run's catalog rows, so the report can be rebuilt l
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -121,6 +122,8 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
             elif table == "train_e2e" and rows.height == 0:
                 why = (" (no policy trajectory passed the critics and filters: see below)" if rolled
                        else " (no policy episode this run)")
+            elif rows.height == 0:
+                why = _why_empty(_lineage_of_run(ws, table, run_id))
             lines.append(f"| {table} | all | {rows.height}{why} |")
         else:
             for value, n in rows.group_by(column).len().sort(column).iter_rows():
@@ -136,6 +139,15 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
             with_ = "-" if m["success_with"] is None else f"{m['success_with']:.0%}"
             lines.append(f"| {m['app']} | {m['family']} | {before} | {with_} | {len(m['trial_queries'])} |")
     return lines + [""]
+
+
+def _why_empty(lineage: Lineage | None) -> str:
+    """What the stage counted when it wrote no row (its drops, or what it left alone and why: a template writer
+    asks no model, agentic-Q waits for enough attempts), the two most frequent, for the yield table."""
+    if lineage is None:
+        return ""
+    counts = Counter(lineage.dropped) + Counter(lineage.stats)
+    return " (" + "; ".join(f"{what}: {n}" for what, n in counts.most_common(2)) + ")" if counts else ""
 
 
 def render_policy(ws: Workspace, run_id: str) -> list[str]:

@@ -61,3 +61,16 @@ def test_the_replay_nights_report_links_plots_that_exist(replay_night):
     pngs = linked_pngs(report.read_text(), report.parent)
     assert len(pngs) >= 4, "yield, success, labels and cost at least (the replay night drops rows too)"
     assert all(p.read_bytes().startswith(PNG) for p in pngs)
+
+
+@pytest.mark.browser
+def test_every_table_the_replay_night_wrote_no_row_to_says_why(replay_night):
+    """Template writers ask no model, so reasoning, plans, PAL-UI and CES write nothing on the replay night; the
+    report says so beside each zero (a zero without its reason reads as a bug)."""
+    cwd, _ = replay_night
+    (report,) = (cwd / "data" / "warehouse" / "reports").glob("*.md")
+    written = report.read_text().split("## Training data written this run")[1].split("\n#")[0]
+    zeros = [line for line in written.splitlines() if line.startswith("| ") and line.split(" | ")[-1].startswith("0")]
+    assert any("reasoning_samples" in z for z in zeros), "the replay night asks no model for reasonings"
+    assert [z for z in zeros if "(" not in z] == []
+    assert any("synth.writer is template: no plan asked" in z for z in zeros if "| plans |" in z)
