@@ -212,8 +212,8 @@ class Observation:
         masked = secrets.mask(tree)
         object.__setattr__(self, "ax_tree", masked)
         if masked != tree:  # rare: only then is each node's text looked at
-            shown = [n.box for n in self.nodes if n.box is not None and secrets.mask(n.name + "\n" + n.value)
-                     != n.name + "\n" + n.value]
+            shown = [n.box for n in self.nodes
+                     if n.box is not None and secrets.mask(text := f"{n.name}\n{n.value}") != text]
             object.__setattr__(self, "png", secrets.cover(self.png, shown))
 
     def targets(self) -> list[Target]:

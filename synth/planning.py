@@ -215,10 +215,11 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
                         f"{trajectories[0].query.instruction!r}.", text)], images=[], tag=tag))
         if spec is None:
             continue
-        pages, elements = spec_names(spec)
         if cfg.writer != "model":
             out.stats["synth.writer is template: no plan asked"] += 1
-        for i in range(cfg.plans_per_app if cfg.writer == "model" else 0):
+            continue
+        pages, elements = spec_names(spec)
+        for i in range(cfg.plans_per_app):
             plan, model_id, problem = planner.ask(
                 PLAN, PlanAnswer, app=spec.title,
                 pages=[{"id": p, "description": spec.pages[p].description} for p in sorted(pages)],
