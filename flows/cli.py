@@ -40,6 +40,7 @@ from trajforge.data.retention import expire
 from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.miniwob import MiniWoBError
 from trajforge.envs.spec import SpecError
+from trajforge.flows import prefect_server
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, has_path, load_settings
@@ -210,6 +211,10 @@ def run(
         os.environ[f"{ENV_PREFIX}QUERY_GEN__APPS"] = "[]"
         os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = json.dumps(searched)
     settings, ws = _open(config, models=True)
+    try:  # the server started as the command did (flows.prefect_server), once the checks above passed
+        prefect_server.wait_ready()
+    except prefect_server.ServerError as exc:
+        raise _crash(str(exc)) from None
     cfg = str(config) if config else None
     input_snapshot: int | None = None
     with ws.ledger.writing(stage):  # one run writes to a warehouse at a time: a second stops here, naming it

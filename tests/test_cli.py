@@ -4,11 +4,15 @@ password on any output or log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import subprocess
+import time
 from importlib.metadata import version
 from pathlib import Path
 
+import psutil
 import pytest
 
 SENTINEL = "S3NT1NEL-pw-7f3a"
@@ -122,3 +126,70 @@ def test_unreachable_catalog_fails_in_one_line_without_the_password(tmp_path: Pa
     written = [p for p in tmp_path.rglob("*") if p.is_file() and p != config]
     leaked = [p for p in written if SENTINEL.encode() in p.read_bytes()]
     assert not leaked, f"the password is in {leaked}"
+
+
+MINIWOB_QUERY = "query_gen:\n  apps: []\n  miniwob_tasks: [click-test]\n"
+"""A query-generation run that needs no browser: one MiniWoB++ task's query."""
+
+
+def serverless_env(cwd: Path, **extra: str) -> dict[str, str]:
+    """The environment of a command with no Prefect server configured (not the suite's shared one)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL" and not k.upper().startswith("TRAJFORGE_")}
+    return env | {"COLUMNS": "200", "PREFECT_HOME": str(cwd / "prefect")} | extra
+
+
+def prefect_servers(home: Path) -> list[psutil.Process]:
+    """The Prefect server processes running with `home` as their Prefect home."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if "prefect.server.api.server:create_app" not in " ".join(proc.info["cmdline"] or []):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("PREFECT_HOME") == str(home):
+                found.append(proc)
+    return found
+
+
+def test_a_run_without_a_prefect_server_reports_to_its_own_and_stops_it(tmp_path: Path, trajforge_cli: str) -> None:
+    """Without PREFECT_API_URL the command starts a temporary server as it starts (flows.prefect_server): the
+    flow run is recorded in that server's database, in the Prefect home, and no server outlives the command."""
+    (tmp_path / "trajforge.yaml").write_text(MINIWOB_QUERY)
+    proc = subprocess.run([trajforge_cli, "run", "query_gen"], cwd=tmp_path, env=serverless_env(tmp_path),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "View at" not in proc.stdout + proc.stderr  # the temporary server serves no UI to link to
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        assert db.execute("SELECT name FROM flow WHERE name = 'stage-query-gen'").fetchall()
+        assert db.execute("SELECT state_type FROM flow_run").fetchall() == [("COMPLETED",)]
+    assert prefect_servers(tmp_path / "prefect") == []
+
+
+def test_a_killed_run_leaves_no_prefect_server_behind(tmp_path: Path, trajforge_cli: str) -> None:
+    """SIGKILL gives the command no chance to stop its temporary server: the server is told to stop when the
+    command's process dies (Linux), so no orphan keeps its port and its database."""
+    (tmp_path / "trajforge.yaml").write_text(MINIWOB_QUERY)
+    home = tmp_path / "prefect"
+    cli = subprocess.Popen([trajforge_cli, "run", "query_gen"], cwd=tmp_path, env=serverless_env(tmp_path),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (servers := prefect_servers(home)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert servers, "no temporary Prefect server started"
+    finally:
+        cli.kill()
+        cli.wait()
+    gone, alive = psutil.wait_procs(servers, timeout=30)
+    assert not alive, f"the temporary server outlived its command: {alive}"
+
+
+def test_a_temporary_server_that_cannot_start_fails_the_run_in_one_line(tmp_path: Path, trajforge_cli: str) -> None:
+    """The server's database is unreachable (nothing listens on port 1): the run fails with status 1 and one line
+    saying the temporary Prefect server exited, with the end of its own output."""
+    (tmp_path / "trajforge.yaml").write_text(MINIWOB_QUERY)
+    env = serverless_env(tmp_path, PREFECT_SERVER_DATABASE_CONNECTION_URL="postgresql+asyncpg://nobody@127.0.0.1:1/x")
+    proc = subprocess.run([trajforge_cli, "run", "query_gen"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the temporary Prefect server exited" in proc.stderr and "Connect call failed" in proc.stderr
