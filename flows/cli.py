@@ -41,6 +41,7 @@ from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.miniwob import MiniWoBError
 from trajforge.envs.spec import SpecError
 from trajforge.flows import prefect_server
+from trajforge.flows.preflight import preflight
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, has_path, load_settings
@@ -118,8 +119,6 @@ def _shown_url(url: str) -> str:
 
 def _open(config: Path | None, models: bool = False) -> tuple[Settings, Workspace]:
     """The settings and workspace of a command; `models` also checks the models a run asks (preflight)."""
-    from trajforge.flows.pipeline import preflight
-
     try:
         settings = preflight(str(config) if config else None, models=models)
     except (ConfigError, SpecError, MiniWoBError, UnknownAppError) as exc:

@@ -7,91 +7,21 @@ about a second of heartbeat wait each (shared/FACTS.md).
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.futures import wait
 
-from trajforge.envs.kinds import configured_kinds
+from trajforge.flows.preflight import preflight
 from trajforge.flows.stages import stages
-from trajforge.guidance.stage import load_demonstrations
-from trajforge.llm.local import SMOLLM2, checkpoint, missing_models
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import ConfigError, Settings, load_settings
+from trajforge.schemas.config import Settings
 from trajforge.schemas.ids import digest
 from trajforge.synth.report import write_report
 from trajforge.tasks.prefect_tasks import portable, run_workspace, shard_task, task_runner, workspace
 from trajforge.tasks.runner import Stage, commit, plan
 
 STAGES = stages()
-
-
-def preflight(config: str | None, models: bool = True) -> Settings:
-    """Everything that can be checked before work starts: the config, every app spec and MiniWoB++ task, the
-    demonstrations file and, with `models`, the models the config asks (`_check_models`), so a scheduled run
-    fails in seconds."""
-    settings = load_settings(Path(config) if config else None)
-    if settings.runner.engine == "dask" and settings.warehouse.catalog_url is None:
-        raise ConfigError("runner.engine: dask needs warehouse.catalog_url (a PostgreSQL catalog): the workers "
-                          "record their shards in the catalog's database from other processes and machines")
-    configured_kinds(settings)
-    serve = settings.loop.serve
-    if serve != "local" and serve not in settings.llm.endpoints:
-        raise ConfigError(f"loop.serve: {serve!r} is neither 'local' nor an llm endpoint "
-                          f"(configured: {', '.join(settings.llm.endpoints) or 'none'})")
-    if settings.guidance.demonstrations is not None:  # read by the guidance stage, after query generation
-        try:
-            load_demonstrations(settings.guidance.demonstrations)
-        except OSError as exc:
-            raise ConfigError(f"guidance.demonstrations: cannot read {settings.guidance.demonstrations}: "
-                              f"{exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ConfigError(f"guidance.demonstrations: {exc}") from None
-    if models:
-        _check_models(settings)
-    return settings
-
-
-def _models_asked(settings: Settings) -> set[str]:
-    """The llm models ('local' or endpoint names) the configured stages ask; none for a run of rules and
-    templates (replay or random policy, rule critics, template writers), which needs no model at all."""
-    s = settings
-    asked = [
-        (s.query_gen.instructions == "model", s.query_gen.instruction_model),
-        (s.rollout.policy in ("gui_owl_e2e", "mobile_agent_v3"),
-         s.loop.models.get(s.loop.iteration) or s.rollout.model),
-        (s.critics.step_critic == "model", s.critics.step_model),
-        (s.critics.text_channel, s.critics.text_model),
-        (s.guidance.describer == "model", s.guidance.model),
-        (s.synth.writer == "model", s.synth.model),
-        (s.synth.writer == "model", s.rollout.model),  # agentic_q samples the policy's model
-    ]
-    named = {model or s.llm.default for on, model in asked if on}
-    return named | {m for m in (s.critics.multimodal_model, s.synth.vision_model) if m}
-
-
-def _check_models(settings: Settings) -> None:
-    """Raise ConfigError unless the models the config asks can answer: the gateway reads every endpoint's key
-    variable when it opens, and the in-process model needs its packages (and checkpoint). Names the variable,
-    never its value."""
-    asked = _models_asked(settings)
-    if not asked:
-        return
-    for name, endpoint in settings.llm.endpoints.items():
-        if endpoint.api_key is None and endpoint.api_key_env and not os.environ.get(endpoint.api_key_env):
-            raise ConfigError(
-                f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} is not set")
-    if "local" in asked:
-        local = settings.llm.local.model
-        reason = missing_models(embedded=local == SMOLLM2)
-        if reason:
-            raise ConfigError(f"llm.local: the in-process model cannot run: {reason}")
-        try:
-            checkpoint(local)
-        except FileNotFoundError as exc:
-            raise ConfigError(str(exc)) from None
 
 
 def _workspace(run_id: str | None, config: str | None) -> Workspace:
