@@ -17,6 +17,7 @@ command is killed (SIGKILL leaves no orphan server holding its database).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import re
 import signal
@@ -38,12 +39,15 @@ class ServerError(RuntimeError):
     """The temporary server did not answer: its process exited or missed the start-up limit."""
 
 
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+"""Looked up here, not in the forked child, which should only call it."""
+
+
 def _die_with_parent() -> None:
     """In the server's process before it runs: Linux sends it SIGTERM when the command's process dies."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    assert _prctl is not None
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class TemporaryServer:
@@ -60,7 +64,7 @@ class TemporaryServer:
             [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
             env={**os.environ, **_SERVER_FLAGS}, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=_die_with_parent if _prctl is not None else None,
         )
 
     def wait_ready(self, timeout_s: float) -> None:
