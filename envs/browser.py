@@ -52,7 +52,7 @@ from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
 from trajforge.envs import actions, secrets
 from trajforge.envs.apps import SESSION_COOKIE
-from trajforge.envs.axtree import AXNode, Box, Element, Layout, cdp_value, from_cdp, render
+from trajforge.envs.axtree import AXNode, Box, Element, Layout, PixelBox, cdp_value, from_cdp, render
 
 T = TypeVar("T")
 
@@ -212,9 +212,22 @@ class Observation:
         masked = secrets.mask(tree)
         object.__setattr__(self, "ax_tree", masked)
         if masked != tree:  # rare: only then is each node's text looked at
-            shown = [n.box for n in self.nodes
-                     if n.box is not None and secrets.mask(text := f"{n.name}\n{n.value}") != text]
-            object.__setattr__(self, "png", secrets.cover(self.png, shown))
+            object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes()))
+
+    def _secret_boxes(self) -> list[PixelBox]:
+        """The boxes of the nodes whose text shows a secret. A node without a box of its own (text the tree
+        holds apart from the layout) is covered by its closest ancestor that has one, and with none, the whole
+        screenshot is: a secret is never left on it for want of a place."""
+        boxes: list[PixelBox] = []
+        path: list[AXNode] = []  # the node's ancestors, closest last
+        for node in self.nodes:
+            del path[node.depth:]
+            if secrets.mask(text := f"{node.name}\n{node.value}") != text:
+                box = next((n.box for n in reversed([*path, node]) if n.box is not None),
+                           (0, 0, self.width, self.height))
+                boxes.append(box)
+            path.append(node)
+        return boxes
 
     def targets(self) -> list[Target]:
         """The named interactive elements whose centre is on the screen, in document order: what a click can

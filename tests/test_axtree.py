@@ -171,3 +171,27 @@ def test_an_element_painted_over_is_marked_covered(chromium: Path) -> None:
         if "covered" in node.states:
             x, y = node.box[0] + node.box[2] / 2, node.box[1] + node.box[3] / 2
             assert any(bx <= x < bx + bw and by <= y < by + bh for bx, by, bw, bh in (overlay, sight)), node
+
+
+def test_a_secret_in_text_without_a_box_is_covered_by_its_closest_boxed_ancestor(monkeypatch) -> None:
+    """Text the tree holds apart from the layout has no box of its own: the screenshot is covered where its
+    closest ancestor with a box is, and where no ancestor has one, whole: a secret is never left on it."""
+    import io
+
+    from PIL import Image
+
+    monkeypatch.setenv("TRAJFORGE_SECRET_ONE_TIME_CODE", "481-S3CR3T")
+    white = io.BytesIO()
+    Image.new("RGB", (100, 60), "white").save(white, format="PNG")
+
+    def seen(*nodes: AXNode) -> Image.Image:
+        obs = Observation(white.getvalue(), 100, 60, "/", "Account", nodes)
+        assert "481-S3CR3T" not in obs.ax_tree
+        return Image.open(io.BytesIO(obs.png)).convert("RGB")
+
+    image = seen(AXNode(0, "RootWebArea", "Account"), AXNode(1, "region", "Your code", box=(10, 10, 40, 20)),
+                 AXNode(2, "text", "Code: 481-S3CR3T"), AXNode(1, "heading", "Welcome", box=(0, 40, 100, 10)))
+    assert image.getpixel((10, 10)) == image.getpixel((49, 29)) == (0, 0, 0)  # the region's box
+    assert image.getpixel((5, 5)) == image.getpixel((50, 45)) == (255, 255, 255)  # the rest, the heading too
+    image = seen(AXNode(0, "RootWebArea", "Account"), AXNode(1, "text", "Code: 481-S3CR3T"))
+    assert image.getextrema() == ((0, 0), (0, 0), (0, 0))  # no ancestor has a box: all of it
