@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import os
 import re
 import signal
@@ -130,6 +131,10 @@ def wait_ready() -> None:
 
 def main() -> None:
     """The `trajforge` command: its Prefect server starts first (when it needs one), then the CLI."""
+    # The very last thing at exit: the interpreter's final garbage collection walked every object the command
+    # had made (Prefect's, pydantic's, the stages') and took about 1 s of a 7 s `trajforge run`; frozen, the
+    # process ends in about 0.1 s. Nothing is lost: every table is committed and every file closed by then.
+    atexit.register(gc.freeze)
     if (server := start_for(sys.argv[1:])) is not None:
         # At exit, after Prefect's own exit handlers (registered later, so run earlier) have sent the last logs
         # and events to it: stopped before them, they spent 3 s failing to connect.
