@@ -69,7 +69,7 @@ class TemporaryServer:
         )
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until the server answers `/health`; raises ServerError (with the end of its output) when its process
+        """Until the server answers `/health`; raises ServerError (with why, from its output) when its process
         exits first or `timeout_s` passes. The first start in a new PREFECT_HOME migrates its database first."""
         deadline = time.monotonic() + timeout_s
         while not self._ready:
