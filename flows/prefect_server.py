@@ -124,9 +124,9 @@ def start_for(argv: list[str]) -> TemporaryServer | None:
 
 def wait_ready() -> None:
     """Before a command's first flow: until the server this process started answers (nothing to wait for when
-    it started none). Raises ServerError."""
+    it started none), as long as Prefect would wait for its own (set in trajforge.flows). Raises ServerError."""
     if _STARTED is not None:
-        _STARTED.wait_ready(float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")))
+        _STARTED.wait_ready(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
 
 
 def main() -> None:

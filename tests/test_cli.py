@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from fault_bench import cli_env
 
 SENTINEL = "S3NT1NEL-pw-7f3a"
 
@@ -133,9 +134,9 @@ MINIWOB_QUERY = "query_gen:\n  apps: []\n  miniwob_tasks: [click-test]\n"
 
 
 def serverless_env(cwd: Path, **extra: str) -> dict[str, str]:
-    """The environment of a command with no Prefect server configured (not the suite's shared one)."""
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL" and not k.upper().startswith("TRAJFORGE_")}
-    return env | {"COLUMNS": "200", "PREFECT_HOME": str(cwd / "prefect")} | extra
+    """The environment of a command in `cwd` (fault_bench.cli_env) with no Prefect server configured (not the
+    suite's shared one)."""
+    return {k: v for k, v in cli_env(cwd).items() if k != "PREFECT_API_URL"} | extra
 
 
 def prefect_servers(home: Path) -> list[psutil.Process]:
