@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import urlsplit
@@ -205,24 +205,30 @@ class Observation:
         # What the data keeps has secrets masked (`secrets.mask`): a form sent by GET puts what was typed in the
         # URL, and a secret typed into a field that is not a password field (a key, a one-time code) is in the
         # tree as that field's value and wherever the page echoes it, and so on the screenshot, where the
-        # boxes of those nodes are covered. `nodes` keep it for live code.
+        # boxes of those nodes are covered. A secret shown in pieces (split by markup, typed a character a box)
+        # is masked piece by piece (`secrets.mask_pieces`). `nodes` keep it for live code.
         object.__setattr__(self, "url", secrets.mask(self.url))
         object.__setattr__(self, "title", secrets.mask(self.title))
-        tree = render(self.nodes)
+        names, named = secrets.mask_pieces([n.name for n in self.nodes])
+        values, valued = secrets.mask_pieces([n.value for n in self.nodes])
+        pieces = named | valued
+        shown = [replace(n, name=names[i], value=values[i]) if i in pieces else n for i, n in enumerate(self.nodes)]
+        tree = render(shown)
         masked = secrets.mask(tree)
         object.__setattr__(self, "ax_tree", masked)
-        if masked != tree:  # rare: only then is each node's text looked at
-            object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes()))
+        if pieces or masked != tree:  # rare: only then is each node's text looked at
+            object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes(pieces)))
 
-    def _secret_boxes(self) -> list[PixelBox]:
-        """The boxes of the nodes whose text shows a secret. A node without a box of its own (text the tree
-        holds apart from the layout) is covered by its closest ancestor that has one, and with none, the whole
-        screenshot is: a secret is never left on it for want of a place."""
+    def _secret_boxes(self, pieces: set[int]) -> list[PixelBox]:
+        """The boxes of the nodes whose text shows a secret, or a piece of one (the indices in `pieces`). A node
+        without a box of its own (text the tree holds apart from the layout) is covered by its closest ancestor
+        that has one, and with none, the whole screenshot is: a secret is never left on it for want of a
+        place."""
         boxes: list[PixelBox] = []
         path: list[AXNode] = []  # the node's ancestors, closest last
-        for node in self.nodes:
+        for i, node in enumerate(self.nodes):
             del path[node.depth:]
-            if secrets.mask(text := f"{node.name}\n{node.value}") != text:
+            if i in pieces or secrets.mask(text := f"{node.name}\n{node.value}") != text:
                 box = next((n.box for n in reversed([*path, node]) if n.box is not None),
                            (0, 0, self.width, self.height))
                 boxes.append(box)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
 from urllib.parse import quote, quote_plus
 
 from PIL import Image, ImageDraw
@@ -36,16 +38,56 @@ def unset(text: str) -> str | None:
     return "secret " + ", ".join(f"{n!r} is not set ({variable(n)})" for n in names) if names else None
 
 
+def _set() -> list[tuple[str, str]]:
+    """(placeholder, value) of every secret set in this process."""
+    return [(f"<secret>{name.removeprefix(VARIABLE_PREFIX).lower()}</secret>", value)
+            for name, value in os.environ.items() if name.startswith(VARIABLE_PREFIX) and value]
+
+
 def mask(text: str) -> str:
     """`text` with the value of every secret set in this process replaced by its placeholder: for what an app
     answers or shows outside the screen (a user's app may echo what was typed into it, a form sent by GET puts
     it in the URL). The value is also found URL-encoded, as a query string or a path carries it."""
-    for name, value in os.environ.items():
-        if name.startswith(VARIABLE_PREFIX) and value:
-            placeholder = f"<secret>{name.removeprefix(VARIABLE_PREFIX).lower()}</secret>"
-            for form in dict.fromkeys((value, quote_plus(value), quote(value, safe=""))):
-                text = text.replace(form, placeholder)
+    for placeholder, value in _set():
+        for form in dict.fromkeys((value, quote_plus(value), quote(value, safe=""))):
+            text = text.replace(form, placeholder)
     return text
+
+
+def mask_pieces(texts: Sequence[str]) -> tuple[list[str], set[int]]:
+    """`texts` with every secret set in this process that runs across two or more of them masked piece by
+    piece (each text's piece replaced by the placeholder), and the indices of the texts that held a piece.
+
+    The texts are neighbours in reading order (a tree's text runs, or its fields' values): a page shows a
+    secret in pieces where markup breaks it (`481-<b>S3CR3T</b>` is two runs of text) or where it is typed
+    a character a box (a one-time code's six fields), and `mask` only finds it whole in one text. A secret
+    whole inside one text is left to `mask`. Pieces are joined with nothing between them, so a secret shown
+    with spaces added between its pieces is not found."""
+    out, pieces, shown = list(texts), set(), _set()
+    if not shown or len(out) < 2:
+        return out, pieces
+    starts = list(accumulate((len(t) for t in out), initial=0))
+    joined = "".join(out)
+    cuts: dict[int, list[tuple[int, int, str]]] = {}  # text index -> (start, end, placeholder) within it
+    for placeholder, value in shown:
+        at = joined.find(value)
+        while at != -1:
+            end = at + len(value)
+            first, last = bisect_right(starts, at) - 1, bisect_right(starts, end - 1) - 1
+            if first != last:
+                for i in (i for i in range(first, last + 1) if starts[i] < starts[i + 1]):  # empty texts hold none
+                    cuts.setdefault(i, []).append((max(at, starts[i]) - starts[i], min(end, starts[i + 1]) - starts[i],
+                                                   placeholder))
+            at = joined.find(value, end)
+    for i, spans in cuts.items():
+        text = out[i]
+        limit = len(text)  # from the right, so offsets stay true; overlapping secrets share one placeholder
+        for start, end, placeholder in sorted(spans, reverse=True):
+            if start < min(end, limit):
+                text, limit = text[:start] + placeholder + text[min(end, limit):], start
+        out[i] = text
+        pieces.add(i)
+    return out, pieces
 
 
 def cover(png: bytes, boxes: Iterable[tuple[int, int, int, int]]) -> bytes:

@@ -24,6 +24,7 @@ from PIL import Image
 
 from trajforge.data.blobs import BlobRef, BlobStore
 from trajforge.envs.apps import AppServer, BundledApp, load_app
+from trajforge.envs.axtree import parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, recorded_url
 from trajforge.envs.pool import EnvPool
 from trajforge.envs.spec import AppSpec
@@ -327,6 +328,45 @@ def test_a_secret_is_typed_as_its_value_and_recorded_as_its_placeholder(
         state = env.app_state()
     assert state["signed_in"] == "alice" and state["failed_sign_ins"] == 0
     assert ACCOUNT_PASSWORD not in json.dumps(state), "the interaction recorder keeps a password field as bullets"
+
+
+PIECES = ('<p>Your recovery code: 481-<b>S3CR3T</b></p><div id="otp">'
+          + "".join(f'<input aria-label="Digit {i}" maxlength="1" size="1">' for i in range(1, 5)) + "</div>")
+"""A code the page breaks with markup (two runs of text), and a one-time-code widget: a box a digit."""
+MOVE_ON = """() => { const boxes = [...document.querySelectorAll('#otp input')];
+  boxes.forEach((box, i) => box.addEventListener('input', () => boxes[i + 1]?.focus())); }"""
+"""The widget's script: each digit typed moves the focus to the next box, as one-time-code forms do."""
+
+
+@pytest.mark.browser
+def test_a_secret_shown_in_pieces_is_masked_and_covered_piece_by_piece(
+        pool: EnvPool, server: AppServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-time code typed into a widget of one box a digit, and a code the page breaks with markup, are whole
+    in no node of the tree: each piece is masked in the tree's text and covered on the screenshot."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_ONE_TIME_CODE", "4815")
+    monkeypatch.setenv("TRAJFORGE_SECRET_RECOVERY_CODE", "481-S3CR3T")
+    env = pool.envs[0]
+    env.reset("pieces", server.base_url + "/")
+    env.page.evaluate(f"document.body.insertAdjacentHTML('afterbegin', {json.dumps(PIECES)})")
+    env.page.evaluate(MOVE_ON)
+    [(x, y, w, h)] = env.find_element("textbox", "Digit 1")
+    assert env.act({"type": "click", "x": x + w / 2, "y": y + h / 2}) is None
+    assert env.act({"type": "type", "text": "<secret>one_time_code</secret>"}) is None
+    assert [env.page.get_by_label(f"Digit {i}").input_value() for i in range(1, 5)] == list("4815")
+    seen = env.observe()
+
+    shown = {n.name: n for n in parse(seen.ax_tree)}
+    assert [shown[f"Digit {i}"].value for i in range(1, 5)] == ["<secret>one_time_code</secret>"] * 4
+    assert "S3CR3T" not in seen.ax_tree and "481-" not in seen.ax_tree, seen.ax_tree
+    assert seen.ax_tree.count("<secret>recovery_code</secret>") == 2  # each run of text holds its piece's place
+    pieces = [n.box for n in seen.nodes if n.name in ("Your recovery code: 481-", "S3CR3T")
+              or n.name.startswith("Digit")]
+    image = Image.open(io.BytesIO(seen.png)).convert("RGB")
+    assert len(pieces) == 6 and all(
+        box is not None and image.crop((box[0], box[1], box[0] + box[2], box[1] + box[3])).getcolors()
+        == [(box[2] * box[3], (0, 0, 0))] for box in pieces)
+    x, y, w, h = next(n.box for n in seen.nodes if n.role == "heading" and n.box is not None)
+    assert len(image.crop((x, y, x + w, y + h)).getcolors(4096)) > 1  # the rest of the page is left as it is
 
 
 @pytest.mark.browser
