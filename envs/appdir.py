@@ -506,7 +506,7 @@ def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str,
             answers[name] = {"error": f"{request.method} {request.path} answered {status}"}
             continue
         try:
-            answers[name] = {"json": json.loads(secrets.mask(body))}
+            answers[name] = {"json": secrets.mask_json(json.loads(body))}
         except json.JSONDecodeError as exc:
             answers[name] = {"error": f"{request.method} {request.path} answered no JSON ({exc})"}
     selectors = app.selectors()
@@ -514,12 +514,13 @@ def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str,
     events: list[dict[str, Any]] = []
     for body in env.take_reports():
         try:
-            keep_ui_events(events, parse_ui_events(secrets.mask(body)))
+            keep_ui_events(events, parse_ui_events(body))
         except ValueError:
             continue  # not the recorder's (the app's own page posting to the same path): nothing to judge
     state = {"url": secrets.mask(env.url), "title": last.title if last else "",
-             "ax_tree": last.ax_tree if last else "", "http": answers, "dom": json.loads(secrets.mask(json.dumps(dom)))}
-    return {**state, UI_EVENTS: events} if events else state
+             "ax_tree": last.ax_tree if last else "", "http": answers, "dom": secrets.mask_json(dom)}
+    # Masked together, not report by report: a widget of one box a character reports each box on its own.
+    return {**state, UI_EVENTS: secrets.mask_json(events)} if events else state
 
 
 def _run(command: str, cwd: Path, what: str, timeout_s: float) -> None:

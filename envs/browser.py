@@ -786,7 +786,7 @@ class BrowserEnv:
             raise EnvFault(f"GET {origin}/__state answered {status}", "app_down")
         # Masked as an app directory's state is (`envs.appdir`): a recorder's report of a plain field holds what
         # was typed into it.
-        state: dict[str, Any] = json.loads(secrets.mask(body))
+        state: dict[str, Any] = secrets.mask_json(json.loads(body))
         return state
 
     def add_recorder(self, script: str) -> None:

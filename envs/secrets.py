@@ -17,6 +17,7 @@ import re
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
+from typing import Any
 from urllib.parse import quote, quote_plus
 
 from PIL import Image, ImageDraw
@@ -88,6 +89,33 @@ def mask_pieces(texts: Sequence[str]) -> tuple[list[str], set[int]]:
         out[i] = text
         pieces.add(i)
     return out, pieces
+
+
+def mask_json(value: Any) -> Any:
+    """Parsed JSON (an app's state, a recorder's reports) with every secret masked, in place, and returned:
+    whole in a string (`mask`), and in pieces across the strings under the same key (`mask_pieces`), as a
+    one-time-code widget's boxes each report their one character under the same key."""
+    by_key: dict[str, list[tuple[Any, Any]]] = {}  # key -> (container, index) of each string under it
+
+    def walk(node: Any, key: str) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, child in items:
+            under = k if isinstance(node, dict) else key  # a list's items are under the list's key
+            if isinstance(child, str):
+                node[k] = mask(child)
+                by_key.setdefault(under, []).append((node, k))
+            else:
+                walk(child, under)
+
+    if isinstance(value, str):
+        return mask(value)
+    walk(value, "")
+    for places in by_key.values():
+        texts, pieces = mask_pieces([node[k] for node, k in places])
+        for i in pieces:
+            node, k = places[i]
+            node[k] = texts[i]
+    return value
 
 
 def cover(png: bytes, boxes: Iterable[tuple[int, int, int, int]]) -> bytes:

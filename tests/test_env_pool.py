@@ -342,7 +342,8 @@ MOVE_ON = """() => { const boxes = [...document.querySelectorAll('#otp input')];
 def test_a_secret_shown_in_pieces_is_masked_and_covered_piece_by_piece(
         pool: EnvPool, server: AppServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-time code typed into a widget of one box a digit, and a code the page breaks with markup, are whole
-    in no node of the tree: each piece is masked in the tree's text and covered on the screenshot."""
+    in no node of the tree: each piece is masked in the tree's text and covered on the screenshot. The app's
+    recorder reports each box's digit on its own: its reports in the app's state are masked too."""
     monkeypatch.setenv("TRAJFORGE_SECRET_ONE_TIME_CODE", "4815")
     monkeypatch.setenv("TRAJFORGE_SECRET_RECOVERY_CODE", "481-S3CR3T")
     env = pool.envs[0]
@@ -367,6 +368,8 @@ def test_a_secret_shown_in_pieces_is_masked_and_covered_piece_by_piece(
         == [(box[2] * box[3], (0, 0, 0))] for box in pieces)
     x, y, w, h = next(n.box for n in seen.nodes if n.role == "heading" and n.box is not None)
     assert len(image.crop((x, y, x + w, y + h)).getcolors(4096)) > 1  # the rest of the page is left as it is
+    typed = {e["name"]: e["text"] for e in env.app_state()["ui_events"] if e["op"] == "type_at"}
+    assert typed == {f"Digit {i}": "<secret>one_time_code</secret>" for i in range(1, 5)}
 
 
 @pytest.mark.browser
