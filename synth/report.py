@@ -142,11 +142,14 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
 
 
 def _why_empty(lineage: Lineage | None) -> str:
-    """What the stage counted when it wrote no row (its drops, or what it left alone and why: a template writer
-    asks no model, agentic-Q waits for enough attempts), the two most frequent, for the yield table."""
+    """Why the stage wrote no row, for the yield table: its drops and the counts it phrased as a cause ("synth.writer
+    is template: no plan asked", agentic-Q waiting for enough attempts), the two most frequent; without either,
+    its two largest counts. A count of work done ("manual trial episodes") beside a cause would read as one."""
     if lineage is None:
         return ""
-    counts = Counter(lineage.dropped) + Counter(lineage.stats)
+    stats = Counter(lineage.stats)
+    causes = Counter(lineage.dropped) + Counter({what: n for what, n in stats.items() if ": " in what})
+    counts = causes or stats
     return " (" + "; ".join(f"{what}: {n}" for what, n in counts.most_common(2)) + ")" if counts else ""
 
 
