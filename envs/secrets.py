@@ -92,30 +92,36 @@ def mask_pieces(texts: Sequence[str]) -> tuple[list[str], set[int]]:
 
 
 def mask_json(value: Any) -> Any:
-    """Parsed JSON (an app's state, a recorder's reports) with every secret masked, in place, and returned:
-    whole in a string (`mask`), and in pieces across the strings under the same key (`mask_pieces`), as a
+    """A copy of parsed JSON (an app's state, a recorder's reports) with every secret masked: whole in a key or
+    a string (`mask`), and in pieces across the strings under the same key (`mask_pieces`), as a
     one-time-code widget's boxes each report their one character under the same key."""
-    by_key: dict[str, list[tuple[Any, Any]]] = {}  # key -> (container, index) of each string under it
+    by_key: dict[str, list[tuple[Any, Any]]] = {}  # key -> (container, slot) of each string under it
 
-    def walk(node: Any, key: str) -> None:
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        for k, child in items:
-            under = k if isinstance(node, dict) else key  # a list's items are under the list's key
-            if isinstance(child, str):
-                node[k] = mask(child)
-                by_key.setdefault(under, []).append((node, k))
-            else:
-                walk(child, under)
+    def copy(node: Any, key: str, parent: Any, slot: Any) -> Any:
+        if isinstance(node, dict):
+            out: dict[Any, Any] = {}
+            for k, child in node.items():
+                masked_key = mask(k) if isinstance(k, str) else k
+                out[masked_key] = copy(child, str(k), out, masked_key)
+            return out
+        if isinstance(node, list):
+            items: list[Any] = [None] * len(node)
+            for i, child in enumerate(node):  # a list's items are under the list's key
+                items[i] = copy(child, key, items, i)
+            return items
+        if isinstance(node, str):
+            by_key.setdefault(key, []).append((parent, slot))
+            return mask(node)
+        return node
 
-    if isinstance(value, str):
-        return mask(value)
-    walk(value, "")
+    holder = [None]
+    holder[0] = copy(value, "", holder, 0)
     for places in by_key.values():
-        texts, pieces = mask_pieces([node[k] for node, k in places])
+        texts, pieces = mask_pieces([node[slot] for node, slot in places])
         for i in pieces:
-            node, k = places[i]
-            node[k] = texts[i]
-    return value
+            node, slot = places[i]
+            node[slot] = texts[i]
+    return holder[0]
 
 
 def cover(png: bytes, boxes: Iterable[tuple[int, int, int, int]]) -> bytes:
