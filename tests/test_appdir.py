@@ -428,3 +428,11 @@ def test_a_secret_an_app_echoes_is_kept_as_its_placeholder(monkeypatch: pytest.M
     assert secrets.mask(answer) == answer.replace("hunter2-Tide", "<secret>shop_password</secret>")
     assert secrets.mask("http://127.0.0.1/login?pw=hunter2-Tide") == \
         "http://127.0.0.1/login?pw=<secret>shop_password</secret>"
+    # Parsed JSON: in a key, in a string with a quote (which the JSON text escapes), and in pieces under one key
+    monkeypatch.setenv("TRAJFORGE_SECRET_QUOTED", 'say "Tide"')
+    monkeypatch.setenv("TRAJFORGE_SECRET_CODE", "4815")
+    state = {"carts": {"hunter2-Tide": 1}, "note": 'I say "Tide"', "ui_events": [
+        {"name": "Digit 1", "text": "48"}, {"name": "Digit 2", "text": "1"}, {"name": "Digit 3", "text": "5"}]}
+    kept = json.dumps(secrets.mask_json(state))
+    assert "hunter2-Tide" not in kept and "Tide" not in kept and '"48"' not in kept, kept
+    assert kept.count("<secret>code</secret>") == 3 and "hunter2-Tide" in json.dumps(state)  # the input is left
