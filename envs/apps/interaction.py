@@ -12,13 +12,14 @@ Every app answers the `interaction` checker, which reads them.
 from __future__ import annotations
 
 import json
+from bisect import insort
 from pathlib import Path
 from typing import Any
 
 UI_EVENTS = "ui_events"
 """The key of the recorder's reports in `/__state`: a list of {op, role, name, text?,
-to_role?, to_name?, page, at} in the order they arrived; `at` (ms since the epoch) is
-when the page saw it."""
+to_role?, to_name?, page, at} in the order the page saw them; `at` (ms since the epoch) is
+when it did. Reports are posted one by one and may arrive out of that order."""
 
 UI_OPS = ("click", "double_click", "right_click", "drag", "select_text", "type_at", "scroll_to")
 """What the recorder reports: the ops of query_gen.operations.Operation."""
@@ -41,9 +42,11 @@ this operation on this element, as the page's recorder reported it."""
 
 
 def keep_ui_events(kept: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
-    """Add the reports to `kept`, in place. Of the typing reports of one field on one page only the latest (by
-    `at`) is kept: it holds the field's whole value, and one report per keystroke would say the same thing letter
-    by letter. At most MAX_UI_EVENTS are kept, the newest."""
+    """Add the reports to `kept`, in place, in the order the page saw them (`at`; reports posted one by one may
+    arrive out of it, and what reads them in order, such as a secret's pieces across a one-time-code widget's
+    boxes, must see the page's). Of the typing reports of one field on one page only the latest (by `at`) is
+    kept: it holds the field's whole value, and one report per keystroke would say the same thing letter by
+    letter. At most MAX_UI_EVENTS are kept, the newest."""
     for event in events:
         if event["op"] == "type_at":
             same = [e for e in kept if e["op"] == "type_at"
@@ -51,7 +54,7 @@ def keep_ui_events(kept: list[dict[str, Any]], events: list[dict[str, Any]]) -> 
             if any(e["at"] >= event["at"] for e in same):
                 continue  # a keystroke's report that arrived after a later one's
             kept[:] = [e for e in kept if e not in same]
-        kept.append(event)
+        insort(kept, event, key=lambda e: e["at"])  # after the reports the page saw at the same time
     del kept[:-MAX_UI_EVENTS]
 
 
