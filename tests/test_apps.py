@@ -615,6 +615,17 @@ def test_typing_reports_keep_the_fields_latest_value_whatever_order_they_arrive_
     assert state(server, session)["ui_events"] == [typed[1]]
 
 
+def test_reports_are_kept_in_the_order_the_page_saw_them_whatever_order_they_arrive_in(
+        servers: dict[str, AppServer]) -> None:
+    server, session = servers["notes"], "ui-order"
+    first = {"op": "click", "role": "searchbox", "name": "Search notes", "page": "/", "at": 1.0}
+    second = {"op": "type_at", "role": "searchbox", "name": "Search notes", "page": "/", "at": 2.0, "text": "g"}
+    third = {"op": "click", "role": "link", "name": "Garden plans", "page": "/", "at": 3.0}
+    for one in (second, third, first):  # the first beacon came last
+        assert report(server, session, one)[0] == 204
+    assert state(server, session)["ui_events"] == [first, second, third]
+
+
 @pytest.mark.parametrize(("events", "error"), [
     ("not json", "not JSON"),
     ([{"op": "hover", "role": "link", "name": "x", "page": "/", "at": 1}], "[0].op: 'hover' is not one of click"),
