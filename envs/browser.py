@@ -212,8 +212,8 @@ class Observation:
         names, named = secrets.mask_pieces([n.name for n in self.nodes])
         values, valued = secrets.mask_pieces([n.value for n in self.nodes])
         pieces = named | valued
-        shown = [replace(n, name=names[i], value=values[i]) if i in pieces else n for i, n in enumerate(self.nodes)]
-        tree = render(shown)
+        tree = render([replace(n, name=names[i], value=values[i]) if i in pieces else n
+                       for i, n in enumerate(self.nodes)] if pieces else self.nodes)
         masked = secrets.mask(tree)
         object.__setattr__(self, "ax_tree", masked)
         if pieces or masked != tree:  # rare: only then is each node's text looked at
