@@ -393,8 +393,11 @@ class GroundingSample(Record):
     description_mode: Literal["ax", "ocr", "vision", "region"] = Field(
         description="What made the description: the accessibility tree, the OCR, a vision model, or a region proposer.")
     detector: str | None = Field(
-        default=None, description="The independent detection the box was checked against (ocr, contours, sam), if any.")
-    iou: float | None = Field(default=None, description="IoU with that detection (kept rows: at least synth.iou_threshold).")
+        default=None, description="The independent detection the box was checked against (ocr, contours, sam), if "
+        "any; ocr-name: a text element whose block is wider than its text, kept because the OCR read its name inside "
+        "the block, its box the text's extent.")
+    iou: float | None = Field(default=None, description="IoU of the element's box in the tree with that detection "
+                              "(kept rows: at least synth.iou_threshold, except ocr-name's).")
     model_id: str | None = None
     prompt_version: str | None = None
 

@@ -22,7 +22,11 @@ outside the screenshot, have no name to ask for, are containers rather than thin
 points at, or were painted over when recorded (`[covered]` in the tree). Then IoU cleaning
 (tau_g = `synth.iou_threshold`): each element's box is compared with an independent
 detection, the OCR's words inside it for text, the better of that and the region proposals
-for widgets, and dropped below tau_g; the first examples' boxes are kept in the lineage.
+for widgets, and dropped below tau_g; the first examples' boxes are kept in the lineage. A text
+element (a heading, a paragraph) whose block is wider than its text, as a full-width heading's is,
+fails that test while it is drawn right where the tree says: it is kept when the OCR's words inside
+its block read its name (detector `ocr-name`), with the text's extent as its box, so its point is on
+the text and not on the empty end of its block.
 
 Screens already grounded by an earlier run with the same configuration are skipped, so a
 rerun with nothing new asks no model and reads no new OCR. Coordinates follow `synth.chat`.
@@ -37,12 +41,13 @@ from pathlib import Path
 
 import polars as pl
 from pydantic import BaseModel
+from rapidfuzz import fuzz
 
 from trajforge.data.blobs import BlobCorrupted, BlobMissing
 from trajforge.envs import actions
 from trajforge.envs.axtree import AXNode, parse
 from trajforge.llm import GatewayError, ImagePart, load_prompt
-from trajforge.llm.ocr import OcrLine
+from trajforge.llm.ocr import OcrLine, OcrSpan
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.gui_owl import FUNCTIONS, to_call
 from trajforge.schemas.config import SynthSettings
@@ -58,6 +63,10 @@ SECTIONS = ("synth", "llm")
 TURNS_PER_SAMPLE = 16
 """Questions per training row: one copy of the screenshot serves them all."""
 IOU_EXAMPLES = 10
+NAME_READ = 80.0
+"""The least similarity (rapidfuzz's ratio, 0-100, spaces and case ignored) of the OCR's words inside a text
+element's block to its name for the words to be that element's text: one misread letter in six passes
+("Dishes" read "Dishe5": 83), another word does not ("Cart" for "Card": 75)."""
 """IoU drops per shard whose two boxes are written into the lineage's stats (the rest are counted)."""
 
 TEXT_ROLES = {"text", "heading", "paragraph", "label", "caption", "code", "emphasis", "strong"}
@@ -158,19 +167,31 @@ def _element_problem(node: AXNode, width: int, height: int) -> str | None:
     return None
 
 
-def _ocr_box(box: tuple[float, ...], lines: tuple[OcrLine, ...]) -> tuple[float, float, float, float] | None:
-    """The union of the OCR words whose centres lie in `box` (a line without word boxes counts whole)."""
+def _ocr_words(box: tuple[float, ...], lines: tuple[OcrLine, ...]) -> list[OcrSpan | OcrLine]:
+    """The OCR words whose centres lie in `box`, in reading order (a line without word boxes counts whole)."""
     x, y, w, h = box
-    inside = []
+    inside: list[OcrSpan | OcrLine] = []
     for line in lines:
         for span in line.words or (line,):
             cx, cy = span.box[0] + span.box[2] / 2, span.box[1] + span.box[3] / 2
             if x <= cx <= x + w and y <= cy <= y + h:
-                inside.append(span.box)
-    if not inside:
+                inside.append(span)
+    return inside
+
+
+def _union(spans: list[OcrSpan | OcrLine]) -> tuple[float, float, float, float]:
+    x0, y0 = min(s.box[0] for s in spans), min(s.box[1] for s in spans)
+    return (x0, y0, max(s.box[0] + s.box[2] for s in spans) - x0, max(s.box[1] + s.box[3] for s in spans) - y0)
+
+
+def _name_read(node: AXNode, lines: tuple[OcrLine, ...]) -> tuple[float, float, float, float] | None:
+    """A text element's text as drawn: the extent of the OCR's words inside its box when together they read
+    its name (NAME_READ), else None."""
+    assert node.box is not None
+    if node.role not in TEXT_ROLES or not (words := _ocr_words(node.box, lines)):
         return None
-    x0, y0 = min(b[0] for b in inside), min(b[1] for b in inside)
-    return (x0, y0, max(b[0] + b[2] for b in inside) - x0, max(b[1] + b[3] for b in inside) - y0)
+    read, name = ("".join(text.split()).casefold() for text in ("".join(w.text for w in words), node.name))
+    return _union(words) if fuzz.ratio(read, name) >= NAME_READ else None
 
 
 def _detect(node: AXNode, lines: tuple[OcrLine, ...], regions: list[Region]) -> tuple[str | None, float, tuple]:
@@ -178,7 +199,8 @@ def _detect(node: AXNode, lines: tuple[OcrLine, ...], regions: list[Region]) -> 
     box = node.box
     assert box is not None
     found: list[tuple[str, float, tuple]] = []
-    if (text := _ocr_box(box, lines)) is not None:
+    if words := _ocr_words(box, lines):
+        text = _union(words)
         found.append(("ocr", iou(box, text), text))
     if node.role not in TEXT_ROLES and regions:
         best = max(regions, key=lambda r: iou(box, r.box))
@@ -204,14 +226,17 @@ def ground_screen(screen: Screen, png: bytes, lines: tuple[OcrLine, ...], region
             out.dropped[problem] += 1
             continue
         detector, overlap, detected = _detect(node, lines, regions)
-        if overlap < iou_threshold:
+        box = [float(v) for v in node.box]  # type: ignore[union-attr]
+        if overlap < iou_threshold and (text_box := _name_read(node, lines)) is not None:
+            detector, box = "ocr-name", [float(v) for v in text_box]
+            out.stats["element: its block wider than its text, kept as its text (its name read by the OCR)"] += 1
+        elif overlap < iou_threshold:
             out.dropped[f"element: IoU with its detection below tau_g={iou_threshold}"] += 1
             if len(out.iou_drops) < IOU_EXAMPLES:
                 out.iou_drops.append(f"{node.role} '{_short(node.name, 30)}' box {list(node.box)} vs "
                                      f"{detector or 'no detection'} {[round(v) for v in detected]} iou {overlap:.2f}")
             continue
         description, template = describe(node)
-        box = [float(v) for v in node.box]  # type: ignore[union-attr]
         out.rows.append(GroundingSample(
             **base, sample_id=short_id(screen.screenshot, "element", str(i), node.role, node.name), kind="element",
             box=box, point=centre(box), role=node.role, name=node.name, description=description,

@@ -243,6 +243,34 @@ def test_covered_shifted_and_outside_elements_are_dropped_with_reasons(grounded)
     assert "iou 0.00" in out.iou_drops[0] and str([x + w, y + h, w, h]) in out.iou_drops[0]
 
 
+def test_a_heading_wider_than_its_text_is_kept_as_its_text_when_the_ocr_reads_its_name(grounded):
+    """A full-width heading's block has an IoU far below tau_g with its text; kept with the text's extent as its
+    box (so its point is on the text), where a block whose name the OCR does not read there is still dropped."""
+    ws, _ = grounded
+    screen, png = screen_of(ws)
+    lines = ws.ocr.read(png)
+
+    def alone(line) -> bool:  # short, plain, and no other text in its row right of it
+        x, y, w, h = line.box
+        return len(line.text) >= 4 and '"' not in line.text and 3 * w < screen.width - x and all(
+            other is line or not (other.box[0] + other.box[2] / 2 >= x and y <= other.box[1] + other.box[3] / 2 <= y + h)
+            for other in lines)
+
+    line = next(line for line in lines if alone(line))
+    x, y, w, h = (int(v) for v in line.box)
+    block = f"({x},{y},{screen.width - x - 1},{h + 1})"
+    tree = f'heading "{line.text}" {block}\nheading "Something else entirely" {block}'
+    out = grounding.ground_screen(dataclasses.replace(screen, ax_tree=tree), png, lines, [], run_id="t",
+                                  iou_threshold=0.5)
+    [kept] = [r for r in out.rows if r.kind == "element"]
+    assert (kept.name, kept.detector) == (line.text, "ocr-name")
+    assert kept.iou is not None and kept.iou < 0.5
+    (lx, ly, lw, lh), (kx, ky, kw, kh) = line.box, kept.box  # its words' extent: inside the line's box
+    assert lx - 1 <= kx and kx + kw <= lx + lw + 1 and ly - 1 <= ky and ky + kh <= ly + lh + 1, (kept.box, line.box)
+    assert kw > lw / 2 and lx <= kept.point[0] <= lx + lw  # the text, not the block
+    assert out.dropped["element: IoU with its detection below tau_g=0.5"] == 1
+
+
 def test_a_missing_blob_or_an_unparsable_answer_drops_the_row_and_the_stage_finishes(recorded, grounded, model):
     root, _, _ = recorded
     ws, _ = grounded
