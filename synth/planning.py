@@ -15,8 +15,14 @@ Per app (one unit of work):
   episodes are not written to `episodes` (their ids are on the manual row). A manual
   whose family, trajectories and configuration are unchanged is not written again.
 - **Plans.** The model proposes `synth.plans_per_app` complex tasks over the app's pages and
-  plans each step by step; a plan whose step names a page, or an element, that the app's
-  page graph does not have is dropped with the step and the name as its reason.
+  plans each step by step, from the start page along the page graph's transitions: each
+  step names its page and the element (of the transition to the next step's page) used
+  there. Where the backend can, the answer is held to those walks while it is decoded
+  (`plan_schema`: `{slot}`s filled with the graph's values, 2 to 5 pages), so a small model
+  cannot write a plan the app does not allow; a plan that still names a page the graph does
+  not have, or a way it does not have (a backend that does not hold answers to a schema), is
+  dropped with the step and the name as its reason (`check_plan`). So is a plan whose task is
+  the prompt's example, copied (the embedded SmolLM2 copies it for every app).
 
 Both become `train_planning` chat samples (text only). With `synth.writer: template` no model
 is asked: a manual is the first trajectory's transitions, one line each, and no plan is made.
@@ -24,6 +30,8 @@ is asked: a manual is the first trajectory's transitions, one line each, and no 
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +42,8 @@ from pydantic import BaseModel, Field
 
 from trajforge.envs.kinds import check_episode, kind_for
 from trajforge.envs.operations import parse_operations
-from trajforge.envs.spec import AppSpec
-from trajforge.llm import GatewayError, load_prompt
+from trajforge.envs.spec import AppSpec, placeholders
+from trajforge.llm import GatewayError, TextPart, load_prompt
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.ids import short_id
@@ -49,6 +57,8 @@ SECTIONS = ("synth", "rollout", "llm")
 MAX_TRAJECTORIES = 3
 """Successful trajectories shown per manual: enough to tell the route from the detours, short enough
 for a small model."""
+PLAN_STEPS = (2, 5)
+"""Fewest and most steps of a plan: a task across pages, whose answer fits the prompt's max_tokens."""
 
 
 class ManualAnswer(BaseModel):
@@ -109,26 +119,87 @@ def template_manual(trajectory: Trajectory) -> ManualAnswer:
     return ManualAnswer(manual=lines or ["Nothing to do: the start page is the goal"])
 
 
-def spec_names(spec: AppSpec) -> tuple[set[str], dict[str, set[str]]]:
-    """The page ids of the graph, and per page the element names its outgoing transitions use."""
-    elements: dict[str, set[str]] = {p: set() for p in spec.pages}
+def _filled(name: str, slots: dict[str, list[str]]) -> set[str]:
+    """`name` with its {slot}s filled by every value the graph gives them; as written where a slot has none."""
+    names = sorted(placeholders(name))
+    if not names or not all(slots.get(n) for n in names):
+        return {name}
+    return {name.format_map(dict(zip(names, values))) for values in itertools.product(*(slots[n] for n in names))}
+
+
+Way = tuple[str, list[str]]
+"""A page of a plan and the element names of the transition taken from it ({slot}s filled; none on the last)."""
+
+
+def _ways_on(spec: AppSpec) -> dict[str, list[tuple[str, list[str]]]]:
+    """Per page, its transitions: (the page it leads to, the element names its actions use, {slot}s filled with
+    the graph's values: "{dish}" on the shop's home page is its six dishes' links)."""
+    slots = spec.slot_values()
+    out: dict[str, list[tuple[str, list[str]]]] = {p: [] for p in spec.pages}
     for t in spec.transitions:
-        for action in t.actions:
-            if action.name:
-                elements[t.source].add(action.name)
-    return set(spec.pages), elements
+        out[t.source].append((t.target, sorted({n for a in t.actions if a.name for n in _filled(a.name, slots)})))
+    return out
+
+
+def plan_walks(spec: AppSpec) -> list[list[Way]]:
+    """Every walk a plan may take: from the start page along the graph's transitions, PLAN_STEPS pages long."""
+    ways, walks = _ways_on(spec), []
+
+    def extend(page: str, taken: list[Way]) -> None:
+        if len(taken) + 1 >= PLAN_STEPS[0]:
+            walks.append([*taken, (page, [])])
+        if len(taken) + 1 < PLAN_STEPS[1]:
+            for to, names in ways[page]:  # the graph is acyclic (spec_problems): every walk ends
+                extend(to, [*taken, (page, names)])
+
+    extend(spec.start, [])
+    return walks
+
+
+def plan_schema(spec: AppSpec) -> dict[str, Any]:
+    """A plan as the decoder holds it: one of `plan_walks`, each step's element one its transition uses, and the
+    free texts short enough for the answer to fit its max_tokens."""
+    def step(page: str, names: list[str]) -> dict[str, Any]:
+        return {"type": "object", "properties": {
+            "page": {"const": page}, "element": {"enum": names} if names else {"type": "null"},
+            "action": {"type": "string", "maxLength": 40}}, "required": ["page", "element", "action"]}
+
+    walks = [{"type": "array", "prefixItems": [step(*way) for way in walk], "items": False, "minItems": len(walk),
+              "maxItems": len(walk)} for walk in plan_walks(spec)]
+    return {"type": "object", "properties": {"task": {"type": "string", "minLength": 8, "maxLength": 120},
+                                             "steps": {"anyOf": walks}}, "required": ["task", "steps"]}
+
+
+def plan_request(spec: AppSpec) -> dict[str, Any]:
+    """The plan prompt's variables for an app: its start page, its pages, and the ways between them."""
+    return {"app": spec.title, "start": spec.start,
+            "pages": [{"id": p, "description": spec.pages[p].description} for p in sorted(spec.pages)],
+            "ways": [{"page": p, "names": names, "to": to} for p, out in sorted(_ways_on(spec).items())
+                     for to, names in out if names]}
+
+
+def copies_example(plan: PlanAnswer, instructions: str) -> bool:
+    """Whether the plan's task is the "task" of an example in the prompt's instructions, copied."""
+    return f'"task": {json.dumps(plan.task.strip())}'.casefold() in instructions.casefold()
 
 
 def check_plan(plan: PlanAnswer, spec: AppSpec) -> str | None:
-    """Why the plan cannot be followed in this app; None when every page and element it names exists."""
-    pages, elements = spec_names(spec)
-    every_name = set().union(*elements.values())
+    """Why the plan cannot be followed in this app from its start page; None when it can: every step is on a
+    page of the graph, the first on the start page, and each element (if named) is one the transition to the
+    next step's page uses."""
     for i, step in enumerate(plan.steps, 1):
-        if step.page not in pages:
+        if step.page not in spec.pages:
             return f"step {i} names page {step.page!r}, which the page graph does not have"
-        if step.element and step.element not in every_name and not any(
-                "{" in n and n.split("{")[0] and step.element.startswith(n.split("{")[0]) for n in every_name):
-            return f"step {i} names element {step.element!r}, which no transition of the page graph uses"
+    if plan.steps[0].page != spec.start:
+        return f"step 1 is on page {plan.steps[0].page!r}, not the start page {spec.start!r}"
+    ways = _ways_on(spec)
+    for i, (step, after) in enumerate(zip(plan.steps, plan.steps[1:]), 1):
+        names = [n for to, n in ways[step.page] if to == after.page]
+        if not names:
+            return f"step {i + 1} is on page {after.page!r}, which no transition from page {step.page!r} reaches"
+        if step.element and not any(step.element in n for n in names):
+            return f"step {i} names element {step.element!r}, which the way from {step.page!r} to {after.page!r} " \
+                   "does not use"
     return None
 
 
@@ -138,12 +209,14 @@ class _Planner:
         self.cfg = ws.settings.synth
         self.prompts = {name: load_prompt(name, PROMPTS) for name in (MANUAL, PLAN)}
 
-    def ask(self, template: str, schema: type[BaseModel], /, **variables: Any
-            ) -> tuple[BaseModel | None, str, str | None]:
-        """(parsed answer or None, model id, why there is no answer or None); the caller counts the failure."""
+    def ask(self, template: str, schema: type[BaseModel], /, json_schema: dict[str, Any] | None = None,
+            **variables: Any) -> tuple[BaseModel | None, str, str | None]:
+        """(parsed answer or None, model id, why there is no answer or None); the caller counts the failure.
+        `json_schema`, tighter than `schema`, holds the answer while it is decoded."""
         prompt = self.prompts[template]
         try:
-            result = self.ws.gateway.chat_sync(prompt.render(**variables), model=self.cfg.model, schema=schema)
+            result = self.ws.gateway.chat_sync(prompt.render(**variables), model=self.cfg.model, schema=schema,
+                                               json_schema=json_schema)
         except GatewayError as exc:
             return None, exc.record.model_id, f"{template}: no answer ({exc.record.error})"[:160]
         self.out.models[template] = result.record.model_id
@@ -218,14 +291,16 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
         if cfg.writer != "model":
             out.stats["synth.writer is template: no plan asked"] += 1
             continue
-        pages, elements = spec_names(spec)
-        for i in range(cfg.plans_per_app):
-            plan, model_id, problem = planner.ask(
-                PLAN, PlanAnswer, app=spec.title,
-                pages=[{"id": p, "description": spec.pages[p].description} for p in sorted(pages)],
-                elements=[{"page": p, "names": sorted(n)} for p, n in sorted(elements.items()) if n])
+        request = plan_request(spec)
+        instructions = " ".join(part.text for m in planner.prompts[PLAN].render(**request).messages
+                                if m.role == "system" for part in m.content if isinstance(part, TextPart))
+        for _ in range(cfg.plans_per_app):
+            plan, model_id, problem = planner.ask(PLAN, PlanAnswer, json_schema=plan_schema(spec), **request)
             if not isinstance(plan, PlanAnswer):
                 out.dropped[problem or f"{PLAN}: not a plan"] += 1
+                continue
+            if copies_example(plan, instructions):
+                out.dropped["plan: its task is the prompt's example, copied"] += 1
                 continue
             if (problem := check_plan(plan, spec)) is not None:
                 out.dropped["plan: a step names a page or element the page graph does not have"] += 1

@@ -35,6 +35,7 @@ from trajforge.data.blobs import BlobStore
 from trajforge.envs.actions import validate
 from trajforge.envs.axtree import AXNode
 from trajforge.envs.browser import Observation, Target
+from trajforge.envs.kinds import kind_for
 from trajforge.guidance.distill import Outcome
 from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
 from trajforge.llm.local import SMOLLM2_ID, load, missing_models, smollm2_folder
@@ -50,7 +51,7 @@ from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_setti
 from trajforge.schemas.records import Query
 from trajforge.synth.grounding import Described
 from trajforge.synth.pal_ui import deliberation_schema
-from trajforge.synth.planning import ManualAnswer, PlanAnswer
+from trajforge.synth.planning import PLAN, PROMPTS, ManualAnswer, PlanAnswer, check_plan, plan_request, plan_schema
 from trajforge.synth.semantics import Check
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
@@ -450,6 +451,8 @@ def test_every_structured_answer_has_a_grammar_that_compiles():
         assert LLMatcher.validate_grammar(Constraint("json", on_elements).grammar) == "", function
         named = call_schema(space, 1280, 800, targets=TARGETS)  # type: ignore[arg-type]
         assert LLMatcher.validate_grammar(Constraint("tool_call", named).grammar) == "", function
+    for app in ("shop", "mail", "calendar", "notes", "settings", "writer"):  # plans over each app's page graph
+        assert LLMatcher.validate_grammar(Constraint("json", plan_schema(kind_for(app).spec)).grammar) == "", app
     # PAL-UI's deliberation (its retrieve index bounded) and the think_answer layout CES rewards
     assert LLMatcher.validate_grammar(Constraint("json", deliberation_schema(3)).grammar) == ""
     assert LLMatcher.validate_grammar(Constraint("think_answer", ThinkAnswer.model_json_schema()).grammar) == ""
@@ -463,6 +466,20 @@ def test_the_embedded_policy_writes_a_valid_action_when_constrained(embedded, tm
     with Gateway(LLMSettings(constrain=False), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
         free = gw.chat_sync(policy_prompt(), schema=ToolCall, sampling=Sampling(max_tokens=8))
     assert free.record.constrained is None and not free.record.cached  # a constrained answer is not reused
+
+
+@pytest.mark.parametrize("app", ["shop", "mail"])
+def test_the_embedded_model_plans_over_the_apps_pages_and_their_elements(embedded, tmp_path, app):
+    """Held only to a plan's shape, SmolLM2 ran past max_tokens (the shop) or named a page the graph does not have
+    ('home' in the mail app); held to the graph's walks while decoding, its plan can be followed from the start."""
+    spec = kind_for(app).spec
+    assert spec is not None
+    with Gateway(LLMSettings(), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
+        result = gw.chat_sync(load_prompt(PLAN, PROMPTS).render(**plan_request(spec)), schema=PlanAnswer,
+                              json_schema=plan_schema(spec))
+    assert result.record.constrained == "grammar" and result.parsed is not None, result.text
+    assert check_plan(result.parsed, spec) is None, result.text
+    assert 2 <= len(result.parsed.steps) <= 5 and result.parsed.task
 
 
 TARGETS = [Target("link", "Inbox", 60, 120), Target("button", "Compose", 300, 120),

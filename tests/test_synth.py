@@ -23,6 +23,7 @@ from test_llm_failures import ScriptedServer
 
 from trajforge.critics.annotate import POINT_COLOR, annotate
 from trajforge.data.catalog import Lineage, commit_key
+from trajforge.envs.kinds import kind_for
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
@@ -341,6 +342,34 @@ def test_planning_measures_each_manual_and_drops_plans_the_graph_cannot_follow(r
     assert any("names page 'no_such_page'" in k for k in lineage.stats)
     again = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "plan-again").run_id, episodes)
     assert ws.catalog.lineage("manuals", again["manuals"]).kept["manuals"] == 0
+
+
+def test_a_plan_is_kept_only_when_it_can_be_followed_from_the_start_page():
+    """The walks the decoder is held to are the plans the check keeps; a plan a backend wrote unheld is checked
+    step by step: its pages, its start, each way on and the element it uses; a copied example is not a plan."""
+    spec = kind_for("shop").spec
+    assert spec is not None
+
+    def plan(*steps: tuple[str, str | None], task: str = "Order a large pad thai") -> planning.PlanAnswer:
+        return planning.PlanAnswer(task=task, steps=[planning.PlanStep(page=p, element=e) for p, e in steps])
+
+    walks = planning.plan_walks(spec)
+    assert len(walks) == 10 and all(2 <= len(w) <= 5 and w[0][0] == "home" for w in walks)
+    for walk in walks:
+        for pick in (0, -1):  # the first and the last element name of each way on, {dish} filled
+            assert planning.check_plan(plan(*[(p, names[pick] if names else None) for p, names in walk]), spec) is None
+    assert planning.check_plan(plan(("home", "Pad Thai"), ("dish", "Large"), ("cart", None)), spec) is None
+    assert planning.check_plan(plan(("home", "Search"), ("cart", None)), spec) == \
+        "step 2 is on page 'cart', which no transition from page 'home' reaches"
+    assert planning.check_plan(plan(("search", "Pad Thai"), ("dish", None)), spec) == \
+        "step 1 is on page 'search', not the start page 'home'"
+    assert planning.check_plan(plan(("home", "Checkout"), ("search", None)), spec) == \
+        "step 1 names element 'Checkout', which the way from 'home' to 'search' does not use"
+    assert planning.check_plan(plan(("home", "{dish}"), ("dish", None)), spec) is not None  # a slot, not a dish
+    assert "names page 'menu'" in planning.check_plan(plan(("home", "Search"), ("menu", None)), spec)
+    shown = '{"task": "Find the pad thai and order it", "steps": []}'
+    assert planning.copies_example(plan(("home", None), ("dish", None), task="Find the Pad Thai and order it "), shown)
+    assert not planning.copies_example(plan(("home", None), ("dish", None)), shown)
 
 
 def test_a_manual_the_model_cannot_write_keeps_the_template_and_says_so(recorded, model):
