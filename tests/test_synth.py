@@ -253,9 +253,11 @@ def test_a_heading_wider_than_its_text_is_kept_as_its_text_when_the_ocr_reads_it
 
     def alone(line) -> bool:  # short, plain, and no other text in its row right of it
         x, y, w, h = line.box
-        return len(line.text) >= 4 and '"' not in line.text and 3 * w < screen.width - x and all(
-            other is line or not (other.box[0] + other.box[2] / 2 >= x and y <= other.box[1] + other.box[3] / 2 <= y + h)
-            for other in lines)
+        def in_its_row(other) -> bool:
+            return other.box[0] + other.box[2] / 2 >= x and y <= other.box[1] + other.box[3] / 2 <= y + h
+
+        return len(line.text) >= 4 and '"' not in line.text and 3 * w < screen.width - x and not any(
+            other is not line and in_its_row(other) for other in lines)
 
     line = next(line for line in lines if alone(line))
     x, y, w, h = (int(v) for v in line.box)
