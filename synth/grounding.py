@@ -63,11 +63,11 @@ SECTIONS = ("synth", "llm")
 TURNS_PER_SAMPLE = 16
 """Questions per training row: one copy of the screenshot serves them all."""
 IOU_EXAMPLES = 10
+"""IoU drops per shard whose two boxes are written into the lineage's stats (the rest are counted)."""
 NAME_READ = 80.0
 """The least similarity (rapidfuzz's ratio, 0-100, spaces and case ignored) of the OCR's words inside a text
 element's block to its name for the words to be that element's text: one misread letter in six passes
 ("Dishes" read "Dishe5": 83), another word does not ("Cart" for "Card": 75)."""
-"""IoU drops per shard whose two boxes are written into the lineage's stats (the rest are counted)."""
 
 TEXT_ROLES = {"text", "heading", "paragraph", "label", "caption", "code", "emphasis", "strong"}
 WIDGET_ROLES = {"button", "link", "textbox", "searchbox", "combobox", "checkbox", "radio", "switch", "tab", "menuitem",
@@ -184,22 +184,22 @@ def _union(spans: list[OcrSpan | OcrLine]) -> tuple[float, float, float, float]:
     return (x0, y0, max(s.box[0] + s.box[2] for s in spans) - x0, max(s.box[1] + s.box[3] for s in spans) - y0)
 
 
-def _name_read(node: AXNode, lines: tuple[OcrLine, ...]) -> tuple[float, float, float, float] | None:
-    """A text element's text as drawn: the extent of the OCR's words inside its box when together they read
+def _name_read(node: AXNode, words: list[OcrSpan | OcrLine]) -> tuple[float, float, float, float] | None:
+    """A text element's text as drawn: the extent of the OCR's `words` inside its box when together they read
     its name (NAME_READ), else None."""
-    assert node.box is not None
-    if node.role not in TEXT_ROLES or not (words := _ocr_words(node.box, lines)):
+    if node.role not in TEXT_ROLES or not words:
         return None
     read, name = ("".join(text.split()).casefold() for text in ("".join(w.text for w in words), node.name))
     return _union(words) if fuzz.ratio(read, name) >= NAME_READ else None
 
 
-def _detect(node: AXNode, lines: tuple[OcrLine, ...], regions: list[Region]) -> tuple[str | None, float, tuple]:
-    """The independent detection that agrees best with the element's box: (detector, IoU, its box)."""
+def _detect(node: AXNode, words: list[OcrSpan | OcrLine], regions: list[Region]) -> tuple[str | None, float, tuple]:
+    """The independent detection that agrees best with the element's box, given the OCR's words inside it:
+    (detector, IoU, its box)."""
     box = node.box
     assert box is not None
     found: list[tuple[str, float, tuple]] = []
-    if words := _ocr_words(box, lines):
+    if words:
         text = _union(words)
         found.append(("ocr", iou(box, text), text))
     if node.role not in TEXT_ROLES and regions:
@@ -225,9 +225,10 @@ def ground_screen(screen: Screen, png: bytes, lines: tuple[OcrLine, ...], region
         if (problem := _element_problem(node, screen.width, screen.height)) is not None:
             out.dropped[problem] += 1
             continue
-        detector, overlap, detected = _detect(node, lines, regions)
+        words = _ocr_words(node.box, lines)  # type: ignore[arg-type]
+        detector, overlap, detected = _detect(node, words, regions)
         box = [float(v) for v in node.box]  # type: ignore[union-attr]
-        if overlap < iou_threshold and (text_box := _name_read(node, lines)) is not None:
+        if overlap < iou_threshold and (text_box := _name_read(node, words)) is not None:
             detector, box = "ocr-name", [float(v) for v in text_box]
             out.stats["element: its block wider than its text, kept as its text (its name read by the OCR)"] += 1
         elif overlap < iou_threshold:

@@ -22,7 +22,7 @@ Per app (one unit of work):
   cannot write a plan the app does not allow; a plan that still names a page the graph does
   not have, or a way it does not have (a backend that does not hold answers to a schema), is
   dropped with the step and the name as its reason (`check_plan`). So is a plan whose task is
-  the prompt's example, copied (the embedded SmolLM2 copies it for every app).
+  the prompt's example, copied (the embedded SmolLM2 copied it for each app it was tried on).
 
 Both become `train_planning` chat samples (text only). With `synth.writer: template` no model
 is asked: a manual is the first trajectory's transitions, one line each, and no plan is made.
@@ -291,11 +291,11 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
         if cfg.writer != "model":
             out.stats["synth.writer is template: no plan asked"] += 1
             continue
-        request = plan_request(spec)
+        request, schema = plan_request(spec), plan_schema(spec)
         instructions = " ".join(part.text for m in planner.prompts[PLAN].render(**request).messages
                                 if m.role == "system" for part in m.content if isinstance(part, TextPart))
         for _ in range(cfg.plans_per_app):
-            plan, model_id, problem = planner.ask(PLAN, PlanAnswer, json_schema=plan_schema(spec), **request)
+            plan, model_id, problem = planner.ask(PLAN, PlanAnswer, json_schema=schema, **request)
             if not isinstance(plan, PlanAnswer):
                 out.dropped[problem or f"{PLAN}: not a plan"] += 1
                 continue
@@ -303,7 +303,7 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
                 out.dropped["plan: its task is the prompt's example, copied"] += 1
                 continue
             if (problem := check_plan(plan, spec)) is not None:
-                out.dropped["plan: a step names a page or element the page graph does not have"] += 1
+                out.dropped["plan: the page graph cannot follow it from the start page"] += 1
                 out.stats[f"plan dropped ({unit.app}): {problem}"[:200]] += 1
                 continue
             steps = [f"On {s.page}: {s.action or 'use'} {s.element or ''}".strip() for s in plan.steps]
