@@ -496,8 +496,9 @@ class Plan(Record):
 
     plan_id: str
     app: str
-    task: str
-    steps: list[str]
+    task: str = Field(description="The task the model named for its walk.")
+    steps: list[str] = Field(description="Each step in words, written from the page graph (the transition's actions "
+                             "to the next step's page), not by the model; the last says the task is done.")
     pages: list[str] = Field(description="The page-graph pages the steps name, in order.")
     raw_output: str
     model_id: str

@@ -14,15 +14,18 @@ Per app (one unit of work):
   `synth.measured_manuals_per_app` families of an app (each is a policy episode); their
   episodes are not written to `episodes` (their ids are on the manual row). A manual
   whose family, trajectories and configuration are unchanged is not written again.
-- **Plans.** The model proposes `synth.plans_per_app` complex tasks over the app's pages and
-  plans each step by step, from the start page along the page graph's transitions: each
-  step names its page and the element (of the transition to the next step's page) used
-  there. Where the backend can, the answer is held to those walks while it is decoded
-  (`plan_schema`: `{slot}`s filled with the graph's values, 2 to 5 pages), so a small model
-  cannot write a plan the app does not allow; a plan that still names a page the graph does
-  not have, or a way it does not have (a backend that does not hold answers to a schema), is
-  dropped with the step and the name as its reason (`check_plan`). So is a plan whose task is
-  the prompt's example, copied (the embedded SmolLM2 copied it for each app it was tried on).
+- **Plans.** The model plans `synth.plans_per_app` walks over the app's pages and names the
+  complex task each does: from the start page along the page graph's transitions, each step
+  names its page and the element (of the transition to the next step's page) used there; the
+  walk comes first and the task after it. Where the backend can, the answer is held to those
+  walks while it is decoded (`plan_schema`: `{slot}`s filled with the graph's values, 2 to 5
+  pages), so a small model cannot write a plan the app does not allow; a plan that still names
+  a page the graph does not have, or a way it does not have (a backend that does not hold
+  answers to a schema), is dropped with the step and the name as its reason (`check_plan`).
+  So is a plan whose task is the prompt's example, copied, or whose task is obviously wrong
+  (`task_problem`: cut off at its length limit, or naming nothing of its walk). What each step
+  does is written from the graph (`step_texts`: the transition's actions, its `{slot}`s bound
+  by the element named), not by the model.
 
 Both become `train_planning` chat samples (text only). With `synth.writer: template` no model
 is asked: a manual is the first trajectory's transitions, one line each, and no plan is made.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +65,10 @@ PLAN_STEPS = (2, 5)
 """Fewest and most steps of a plan: a task across pages, whose answer fits the prompt's max_tokens."""
 
 
+TASK_CHARS = 120
+"""The longest task a plan's answer may write (its schema's maxLength): one sentence, and room for the walk."""
+
+
 class ManualAnswer(BaseModel):
     manual: list[str] = Field(min_length=1)
 
@@ -68,12 +76,14 @@ class ManualAnswer(BaseModel):
 class PlanStep(BaseModel):
     page: str
     element: str | None = None
-    action: str = ""
 
 
 class PlanAnswer(BaseModel):
-    task: str
+    """The model's plan: a walk first, then the task it does. Asked the other way round, SmolLM2 copied the prompt's
+    example task for every app (6 of 6 on 2026-11-29); walk first, it named tasks of its own for all six."""
+
     steps: list[PlanStep] = Field(min_length=2)
+    task: str
 
 
 def family(query: Query) -> str:
@@ -157,17 +167,19 @@ def plan_walks(spec: AppSpec) -> list[list[Way]]:
 
 
 def plan_schema(spec: AppSpec) -> dict[str, Any]:
-    """A plan as the decoder holds it: one of `plan_walks`, each step's element one its transition uses, and the
-    free texts short enough for the answer to fit its max_tokens."""
+    """A plan as the decoder holds it: one of `plan_walks`, each step's element one its transition uses, then the
+    task, short enough for the answer to fit its max_tokens. What is done on each step is the graph's to say
+    (`step_texts`), not the model's: SmolLM2's own words there were "type 'pad thai'" on every step of every app."""
     def step(page: str, names: list[str]) -> dict[str, Any]:
         return {"type": "object", "properties": {
-            "page": {"const": page}, "element": {"enum": names} if names else {"type": "null"},
-            "action": {"type": "string", "maxLength": 40}}, "required": ["page", "element", "action"]}
+            "page": {"const": page}, "element": {"enum": names} if names else {"type": "null"}},
+            "required": ["page", "element"]}
 
     walks = [{"type": "array", "prefixItems": [step(*way) for way in walk], "items": False, "minItems": len(walk),
               "maxItems": len(walk)} for walk in plan_walks(spec)]
-    return {"type": "object", "properties": {"task": {"type": "string", "minLength": 8, "maxLength": 120},
-                                             "steps": {"anyOf": walks}}, "required": ["task", "steps"]}
+    return {"type": "object", "properties": {"steps": {"anyOf": walks},
+                                             "task": {"type": "string", "minLength": 8, "maxLength": TASK_CHARS}},
+            "required": ["steps", "task"]}
 
 
 def plan_request(spec: AppSpec) -> dict[str, Any]:
@@ -181,6 +193,66 @@ def plan_request(spec: AppSpec) -> dict[str, Any]:
 def copies_example(plan: PlanAnswer, instructions: str) -> bool:
     """Whether the plan's task is the "task" of an example in the prompt's instructions, copied."""
     return f'"task": {json.dumps(plan.task.strip())}'.casefold() in instructions.casefold()
+
+
+def task_problem(plan: PlanAnswer) -> str | None:
+    """What is obviously wrong with a plan's task (the paper filters such tasks out), or None: cut off at its length
+    limit (SmolLM2 ran on to it, "Cease the order, order the dish, and order the other items, and ..."), or naming
+    nothing of its walk: no page (its id, `_` read as a space) or element named in the plan, nor a word of 4
+    letters or more of one."""
+    def words(text: str) -> set[str]:
+        return {w for w in re.findall(r"[a-z]+", text) if len(w) >= 4}
+
+    task = plan.task.casefold()
+    names = {n.casefold() for s in plan.steps for n in (s.page.replace("_", " "), s.element) if n}
+    if len(plan.task) >= TASK_CHARS:
+        return "its task was cut off at its length limit"
+    if not any(n in task for n in names) and not words(task) & set().union(*map(words, names)):
+        return "its task names no page or element of its walk"
+    return None
+
+
+def _bound(template: str, element: str | None, values: dict[str, list[str]]) -> dict[str, str]:
+    """The `{slot}` values (of those the graph gives) that make `template` read `element`: "{dish}" reads "Pad
+    Thai" with dish=Pad Thai; "{event}" does not read "Search events", which is no event of the graph's."""
+    names = sorted(placeholders(template))
+    if not element or not names or not all(values.get(n) for n in names):
+        return {}
+    for picked in itertools.product(*(values[n] for n in names)):
+        slots = dict(zip(names, picked))
+        if template.format_map(slots) == element:
+            return slots
+    return {}
+
+
+def step_texts(plan: PlanAnswer, spec: AppSpec) -> list[str]:
+    """Each step of a followable plan in words, from the page graph: the actions of the transition to the next
+    step's page, with the `{slot}`s the step's element fills ("On search: type 'Pad Thai' into searchbox 'Search
+    dishes', press Enter, click link 'Pad Thai'"; one it does not fill reads "the size"); the last step is where
+    the task ends."""
+    values = spec.slot_values()
+
+    def filled(template: str, slots: dict[str, str], quoted: bool) -> str:
+        text = template.strip()
+        if all(n in slots for n in placeholders(text)):
+            text = text.format_map(slots)
+            return f"'{text}'" if quoted else text
+        return re.sub(r"\{(\w+)\}", lambda m: slots.get(m[1], f"the {m[1]}"), text)
+
+    texts = []
+    for step, after in zip(plan.steps, plan.steps[1:]):
+        ways = [t for t in spec.transitions if t.source == step.page and t.target == after.page]
+        slots = next((b for t in ways for a in t.actions if (b := _bound(a.name or "", step.element, values))), {})
+        way = next((t for t in ways if any(a.name == step.element or _bound(a.name or "", step.element, values)
+                                           for a in t.actions)), ways[0])
+        said = []
+        for a in way.actions:
+            name = f"{a.role} {filled(a.name, slots, True)}" if a.name else ""
+            text = filled(a.text or "", slots, a.op == "type")
+            said.append({"type": f"type {text} into {name}", "press": f"press {text}",
+                         "set_checked": f"set {name} {text}"}.get(a.op, f"{a.op} {name}"))
+        texts.append(f"On {step.page}: {', '.join(said)}")
+    return [*texts, f"On {plan.steps[-1].page}: the task is done"]
 
 
 def check_plan(plan: PlanAnswer, spec: AppSpec) -> str | None:
@@ -306,7 +378,11 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
                 out.dropped["plan: the page graph cannot follow it from the start page"] += 1
                 out.stats[f"plan dropped ({unit.app}): {problem}"[:200]] += 1
                 continue
-            steps = [f"On {s.page}: {s.action or 'use'} {s.element or ''}".strip() for s in plan.steps]
+            if (problem := task_problem(plan)) is not None:
+                out.dropped[f"plan: {problem}"] += 1
+                out.stats[f"plan dropped ({unit.app}): task {plan.task!r}"[:200]] += 1
+                continue
+            steps = step_texts(plan, spec)
             plan_id = short_id(unit.app, unit.config, plan.model_dump_json())
             if plan_id in unit.written:
                 out.stats["plan already written by an earlier run"] += 1

@@ -51,7 +51,17 @@ from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_setti
 from trajforge.schemas.records import Query
 from trajforge.synth.grounding import Described
 from trajforge.synth.pal_ui import deliberation_schema
-from trajforge.synth.planning import PLAN, PROMPTS, ManualAnswer, PlanAnswer, check_plan, plan_request, plan_schema
+from trajforge.synth.planning import (
+    PLAN,
+    PROMPTS,
+    ManualAnswer,
+    PlanAnswer,
+    check_plan,
+    copies_example,
+    plan_request,
+    plan_schema,
+    task_problem,
+)
 from trajforge.synth.semantics import Check
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
@@ -468,18 +478,21 @@ def test_the_embedded_policy_writes_a_valid_action_when_constrained(embedded, tm
     assert free.record.constrained is None and not free.record.cached  # a constrained answer is not reused
 
 
-@pytest.mark.parametrize("app", ["shop", "mail"])
+@pytest.mark.parametrize("app", ["mail", "writer"])
 def test_the_embedded_model_plans_over_the_apps_pages_and_their_elements(embedded, tmp_path, app):
     """Held only to a plan's shape, SmolLM2 ran past max_tokens (the shop) or named a page the graph does not have
-    ('home' in the mail app); held to the graph's walks while decoding, its plan can be followed from the start."""
+    ('home' in the mail app); held to the graph's walks while decoding, its plan can be followed from the start.
+    Asked for the task before the walk, it copied the prompt's example task; walk first, its task is its own."""
     spec = kind_for(app).spec
     assert spec is not None
+    prompt = load_prompt(PLAN, PROMPTS).render(**plan_request(spec))
     with Gateway(LLMSettings(), db_url=f"sqlite:///{tmp_path / 'catalog.db'}") as gw:
-        result = gw.chat_sync(load_prompt(PLAN, PROMPTS).render(**plan_request(spec)), schema=PlanAnswer,
-                              json_schema=plan_schema(spec))
+        result = gw.chat_sync(prompt, schema=PlanAnswer, json_schema=plan_schema(spec))
     assert result.record.constrained == "grammar" and result.parsed is not None, result.text
     assert check_plan(result.parsed, spec) is None, result.text
-    assert 2 <= len(result.parsed.steps) <= 5 and result.parsed.task
+    assert 2 <= len(result.parsed.steps) <= 5
+    assert task_problem(result.parsed) is None, result.text
+    assert not copies_example(result.parsed, prompt.messages[0].text), result.text
 
 
 TARGETS = [Target("link", "Inbox", 60, 120), Target("button", "Compose", 300, 120),

@@ -369,9 +369,32 @@ def test_a_plan_is_kept_only_when_it_can_be_followed_from_the_start_page():
         "step 1 names element 'Checkout', which the way from 'home' to 'search' does not use"
     assert planning.check_plan(plan(("home", "{dish}"), ("dish", None)), spec) is not None  # a slot, not a dish
     assert "names page 'menu'" in planning.check_plan(plan(("home", "Search"), ("menu", None)), spec)
-    shown = '{"task": "Find the pad thai and order it", "steps": []}'
+    shown = '{"steps": [], "task": "Find the pad thai and order it"}'
     assert planning.copies_example(plan(("home", None), ("dish", None), task="Find the Pad Thai and order it "), shown)
     assert not planning.copies_example(plan(("home", None), ("dish", None)), shown)
+
+
+def test_a_plans_steps_are_the_graphs_actions_and_its_task_must_name_its_walk():
+    """What a step does is the transition's actions with the slot its element fills; a task that names nothing of
+    its walk, or ran to its length limit, is dropped (SmolLM2 wrote both)."""
+    spec = kind_for("shop").spec
+    assert spec is not None
+    walk = planning.PlanAnswer(task="Order a large pad thai", steps=[
+        planning.PlanStep(page="home", element="Search"), planning.PlanStep(page="search", element="Pad Thai"),
+        planning.PlanStep(page="dish", element="Add to cart"), planning.PlanStep(page="cart")])
+    assert planning.step_texts(walk, spec) == [
+        "On home: click link 'Search'",
+        "On search: type 'Pad Thai' into searchbox 'Search dishes', press Enter, click link 'Pad Thai'",
+        "On dish: click radio the size, click button 'Add to cart'",  # the size is no element the plan named
+        "On cart: the task is done"]
+    assert planning.task_problem(walk) is None  # "pad thai", an element of its walk
+    for task in ("Put it in the cart", "Go shopping for the Pad Thai dish"):  # a page; an element's word
+        assert planning.task_problem(walk.model_copy(update={"task": task})) is None, task
+    assert planning.task_problem(walk.model_copy(update={"task": "Song Siren"})) == \
+        "its task names no page or element of its walk"
+    long = "Order the dish, and order the other items, " * 3
+    assert planning.task_problem(walk.model_copy(update={"task": long[:planning.TASK_CHARS]})) == \
+        "its task was cut off at its length limit"
 
 
 def test_a_manual_the_model_cannot_write_keeps_the_template_and_says_so(recorded, model):
