@@ -493,6 +493,9 @@ class SynthSettings(_Section):
         default=1, ge=0, description="Families per app whose new manual is measured by rerunning its queries with it "
         "(`manual_trials` policy episodes each).")
     plans_per_app: int = Field(default=1, ge=0, description="Complex tasks the model proposes and plans per app.")
+    plan_temperature: float = Field(
+        default=0.7, ge=0, description="Temperature of an app's plans after its first (the first is the prompt's, "
+        "greedy); each has its own seed, so a rerun asks the same draws (from the cache).")
     screens_per_shard: int = Field(default=25, gt=0, description="Screens per resumable unit of grounding work.")
     reasoning_steps_per_shard: int = Field(
         default=2, ge=0, description="Trusted steps per shard of episodes given reasoning synthesis (GUI-Owl 2.2.3): "

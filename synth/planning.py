@@ -47,7 +47,7 @@ from pydantic import BaseModel, Field
 from trajforge.envs.kinds import check_episode, kind_for
 from trajforge.envs.operations import parse_operations
 from trajforge.envs.spec import AppSpec, placeholders
-from trajforge.llm import GatewayError, TextPart, load_prompt
+from trajforge.llm import GatewayError, Sampling, TextPart, load_prompt
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.ids import short_id
@@ -282,13 +282,14 @@ class _Planner:
         self.prompts = {name: load_prompt(name, PROMPTS) for name in (MANUAL, PLAN)}
 
     def ask(self, template: str, schema: type[BaseModel], /, json_schema: dict[str, Any] | None = None,
-            **variables: Any) -> tuple[BaseModel | None, str, str | None]:
+            sampling: Sampling | None = None, **variables: Any) -> tuple[BaseModel | None, str, str | None]:
         """(parsed answer or None, model id, why there is no answer or None); the caller counts the failure.
-        `json_schema`, tighter than `schema`, holds the answer while it is decoded."""
+        `json_schema`, tighter than `schema`, holds the answer while it is decoded; `sampling` replaces the
+        prompt's."""
         prompt = self.prompts[template]
         try:
             result = self.ws.gateway.chat_sync(prompt.render(**variables), model=self.cfg.model, schema=schema,
-                                               json_schema=json_schema)
+                                               json_schema=json_schema, sampling=sampling)
         except GatewayError as exc:
             return None, exc.record.model_id, f"{template}: no answer ({exc.record.error})"[:160]
         self.out.models[template] = result.record.model_id
@@ -366,8 +367,10 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
         request, schema = plan_request(spec), plan_schema(spec)
         instructions = " ".join(part.text for m in planner.prompts[PLAN].render(**request).messages
                                 if m.role == "system" for part in m.content if isinstance(part, TextPart))
-        for _ in range(cfg.plans_per_app):
-            plan, model_id, problem = planner.ask(PLAN, PlanAnswer, json_schema=schema, **request)
+        greedy, drawn = planner.prompts[PLAN].sampling, set()
+        for draw in range(cfg.plans_per_app):  # the first greedy, the others each a seeded draw
+            sampling = greedy.model_copy(update={"temperature": cfg.plan_temperature, "seed": draw}) if draw else None
+            plan, model_id, problem = planner.ask(PLAN, PlanAnswer, json_schema=schema, sampling=sampling, **request)
             if not isinstance(plan, PlanAnswer):
                 out.dropped[problem or f"{PLAN}: not a plan"] += 1
                 continue
@@ -384,6 +387,10 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
                 continue
             steps = step_texts(plan, spec)
             plan_id = short_id(unit.app, unit.config, plan.model_dump_json())
+            if plan_id in drawn:
+                out.dropped["plan: the same as an earlier draw for this app"] += 1
+                continue
+            drawn.add(plan_id)
             if plan_id in unit.written:
                 out.stats["plan already written by an earlier run"] += 1
                 continue

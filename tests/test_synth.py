@@ -59,13 +59,13 @@ class ModelServer(ScriptedServer):
                 {"consistent": True, "score": 0.8, "reason": "matches"})
         if "write short manuals" in system:
             return "garbage" if "manual" in self.broken else json.dumps({"manual": ["Open the note", "Edit it"]})
-        if "plan tasks" in system:
-            pages = re.findall(r"^- (\w+):", user, re.M)
-            first, bad = pages[0], "no_such_page"
-            return json.dumps({"task": "Do two things", "steps": [{"page": first, "action": "look"},
-                                                                   {"page": bad, "action": "click"}]}) \
-                if "plan" in self.broken else json.dumps({"task": "Do two things", "steps": [
-                    {"page": first, "action": "look"}, {"page": pages[-1], "action": "look"}]})
+        if "plan tasks" in system:  # the first way on from the start page; broken, to a page of no app
+            start = re.search(r"^Start page: (\w+)$", user, re.M).group(1)
+            names, to = re.search(rf"^- {start}: (.+) -> (\w+)$", user, re.M).groups()
+            name = names.split(", ")[0]
+            return json.dumps({"steps": [{"page": start, "element": name},
+                                         {"page": "no_such_page" if "plan" in self.broken else to, "element": None}],
+                               "task": f"Use {name}"})
         if "Think about the next step" in system:  # the cot style reasons its way to giving up
             return 'The screen is not what the task needs, so I do {"type": "terminate", "status": "failure"}.'
         if "In one sentence, say what to do next" in system:  # the simple style finds the demonstrated action
@@ -344,6 +344,23 @@ def test_planning_measures_each_manual_and_drops_plans_the_graph_cannot_follow(r
     assert any("names page 'no_such_page'" in k for k in lineage.stats)
     again = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "plan-again").run_id, episodes)
     assert ws.catalog.lineage("manuals", again["manuals"]).kept["manuals"] == 0
+
+
+def test_an_apps_plans_after_the_first_are_seeded_draws_and_a_repeated_one_is_dropped(recorded, model):
+    """synth.plans_per_app: the first plan greedy, each other drawn at synth.plan_temperature with its own seed; a
+    model that gives the same plan again (this one ignores the seed) adds no second row."""
+    root, _, _ = recorded
+    ws = workspace(root, model.url, cache=False, plans_per_app=3)
+    _, episodes = ws.catalog.resolve("episodes@latest")
+    model.requests.clear()
+    out = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "plan-draws").run_id, episodes)
+    asked = [r["body"] for r in model.requests if "plan tasks" in r["body"]["messages"][0]["content"]]
+    assert [(b["temperature"], b.get("seed")) for b in asked] == [(0.0, None), (0.7, 1), (0.7, 2)]
+    lineage = ws.catalog.lineage("plans", out["plans"])
+    assert lineage.kept["plans"] == 1 and lineage.dropped["plan: the same as an earlier draw for this app"] == 2
+    (plan,) = ws.catalog.load("plans", out["plans"]).iter_rows(named=True)
+    assert plan["task"] == "Use Birthday gift ideas"  # a note, its {note} slot filled: the link that opens it
+    assert plan["steps"] == ["On notes: click link 'Birthday gift ideas'", "On note: the task is done"]
 
 
 def test_a_plan_is_kept_only_when_it_can_be_followed_from_the_start_page():
