@@ -197,9 +197,9 @@ def copies_example(plan: PlanAnswer, instructions: str) -> bool:
 
 def task_problem(plan: PlanAnswer) -> str | None:
     """What is obviously wrong with a plan's task (the paper filters such tasks out), or None: cut off at its length
-    limit (SmolLM2 ran on to it, "Cease the order, order the dish, and order the other items, and ..."), or naming
-    nothing of its walk: no page (its id, `_` read as a space) or element named in the plan, nor a word of 4
-    letters or more of one."""
+    limit (SmolLM2 ran on to it, "Cease the order, order the dish, and order the other items, and ..."), written in
+    the prompt's notation of ways, or naming nothing of its walk: no page (its id, `_` read as a space) or element
+    named in the plan, nor a word of 4 letters or more of one."""
     def words(text: str) -> set[str]:
         return {w for w in re.findall(r"[a-z]+", text) if len(w) >= 4}
 
@@ -207,6 +207,8 @@ def task_problem(plan: PlanAnswer) -> str | None:
     names = {n.casefold() for s in plan.steps for n in (s.page.replace("_", " "), s.element) if n}
     if len(plan.task) >= TASK_CHARS:
         return "its task was cut off at its length limit"
+    if "->" in plan.task:  # SmolLM2: "Friday, Monday, ..., Wednesday -> Event saved"
+        return "its task is written as the prompt's ways between pages (page: elements -> next page)"
     if not any(n in task for n in names) and not words(task) & set().union(*map(words, names)):
         return "its task names no page or element of its walk"
     return None
@@ -250,7 +252,7 @@ def step_texts(plan: PlanAnswer, spec: AppSpec) -> list[str]:
             name = f"{a.role} {filled(a.name, slots, True)}" if a.name else ""
             text = filled(a.text or "", slots, a.op == "type")
             said.append({"type": f"type {text} into {name}", "press": f"press {text}",
-                         "set_checked": f"set {name} {text}"}.get(a.op, f"{a.op} {name}"))
+                         "set_checked": f"set {name} to {text}"}.get(a.op, f"{a.op} {name}"))
         texts.append(f"On {step.page}: {', '.join(said)}")
     return [*texts, f"On {plan.steps[-1].page}: the task is done"]
 

@@ -409,6 +409,8 @@ def test_a_plans_steps_are_the_graphs_actions_and_its_task_must_name_its_walk():
         assert planning.task_problem(walk.model_copy(update={"task": task})) is None, task
     assert planning.task_problem(walk.model_copy(update={"task": "Song Siren"})) == \
         "its task names no page or element of its walk"
+    assert planning.task_problem(walk.model_copy(update={"task": "Home, Search -> Pad Thai"})) == \
+        "its task is written as the prompt's ways between pages (page: elements -> next page)"
     long = "Order the dish, and order the other items, " * 3
     assert planning.task_problem(walk.model_copy(update={"task": long[:planning.TASK_CHARS]})) == \
         "its task was cut off at its length limit"
