@@ -23,7 +23,8 @@ Per app (one unit of work):
   a page the graph does not have, or a way it does not have (a backend that does not hold
   answers to a schema), is dropped with the step and the name as its reason (`check_plan`).
   So is a plan whose task is the prompt's example, copied, or whose task is obviously wrong
-  (`task_problem`: cut off at its length limit, or naming nothing of its walk). What each step
+  (`task_problem`: cut off at its length limit, written in the prompt's notation of ways, or
+  naming nothing of its walk). What each step
   does is written from the graph (`step_texts`: the transition's actions, its `{slot}`s bound
   by the element named), not by the model.
 
@@ -46,7 +47,7 @@ from pydantic import BaseModel, Field
 
 from trajforge.envs.kinds import check_episode, kind_for
 from trajforge.envs.operations import parse_operations
-from trajforge.envs.spec import AppSpec, placeholders
+from trajforge.envs.spec import AppSpec, Transition, placeholders
 from trajforge.llm import GatewayError, Sampling, TextPart, load_prompt
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
@@ -227,6 +228,18 @@ def _bound(template: str, element: str | None, values: dict[str, list[str]]) -> 
     return {}
 
 
+def _way(ways: list[Transition], element: str | None,
+         values: dict[str, list[str]]) -> tuple[Transition, dict[str, str]]:
+    """Of a step's transitions to the next page (at least one), the one whose action names `element` (else the
+    first), and the `{slot}`s that name fills."""
+    for way in ways:
+        for action in way.actions:
+            slots = _bound(action.name or "", element, values)
+            if slots or action.name == element:
+                return way, slots
+    return ways[0], {}
+
+
 def step_texts(plan: PlanAnswer, spec: AppSpec) -> list[str]:
     """Each step of a followable plan in words, from the page graph: the actions of the transition to the next
     step's page, with the `{slot}`s the step's element fills ("On search: type 'Pad Thai' into searchbox 'Search
@@ -243,10 +256,8 @@ def step_texts(plan: PlanAnswer, spec: AppSpec) -> list[str]:
 
     texts = []
     for step, after in zip(plan.steps, plan.steps[1:]):
-        ways = [t for t in spec.transitions if t.source == step.page and t.target == after.page]
-        slots = next((b for t in ways for a in t.actions if (b := _bound(a.name or "", step.element, values))), {})
-        way = next((t for t in ways if any(a.name == step.element or _bound(a.name or "", step.element, values)
-                                           for a in t.actions)), ways[0])
+        way, slots = _way([t for t in spec.transitions if t.source == step.page and t.target == after.page],
+                          step.element, values)
         said = []
         for a in way.actions:
             name = f"{a.role} {filled(a.name, slots, True)}" if a.name else ""
