@@ -30,10 +30,12 @@ PAGE_GRAPH_APPS = ("calendar", "mail", "notes", "settings", "shop")
 @pytest.mark.timeout(1800)  # about 4 minutes on a quiet machine; several times that beside other browser work
 def test_two_hundred_validated_queries_all_replay_to_checker_success(chromium: Path, tmp_path: Path) -> None:
     apps = [BundledWebKind(load_app(name)) for name in PAGE_GRAPH_APPS]
-    out = generate_queries(apps, run_id="corpus", settings=QueryGenSettings(num_queries=60, atomic_per_app=0), chromium=chromium)
+    # 50 asked per app keep 218 (60 kept 258 and took 11% longer): the suite's time is a budget.
+    out = generate_queries(apps, run_id="corpus", settings=QueryGenSettings(num_queries=50, atomic_per_app=0),
+                           chromium=chromium)
     queries = cast(list[Query], out.rows["queries"])
 
-    assert len(queries) >= 200
+    assert len(queries) >= 200, len(queries)
     assert len({q.query_id for q in queries}) == len(queries)
     assert len({(q.app, normalise(q.instruction)) for q in queries}) == len(queries)
     assert not [k for k in out.dropped if "interface validation" in k], out.dropped
