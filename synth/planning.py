@@ -24,9 +24,8 @@ Per app (one unit of work):
   answers to a schema), is dropped with the step and the name as its reason (`check_plan`).
   So is a plan whose task is the prompt's example, copied, or whose task is obviously wrong
   (`task_problem`: cut off at its length limit, written in the prompt's notation of ways, or
-  naming nothing of its walk). What each step
-  does is written from the graph (`step_texts`: the transition's actions, its `{slot}`s bound
-  by the element named), not by the model.
+  naming nothing of its walk). What each step does is written from the graph (`step_texts`:
+  the transition's actions, its `{slot}`s bound by the element named), not by the model.
 
 Both become `train_planning` chat samples (text only). With `synth.writer: template` no model
 is asked: a manual is the first trajectory's transitions, one line each, and no plan is made.
