@@ -535,6 +535,8 @@ def export_cmd(
     ref: Annotated[str, typer.Argument(help="TABLE@VERSION of a training table (a snapshot id, a tag or latest).")],
     fmt: Annotated[str, typer.Option("--format", "-f", help=f"The trainer's format: {', '.join(EXPORT_FORMATS)}.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the dataset and its card into.")],
+    added: Annotated[bool, typer.Option(
+        "--added", help="Only the rows the run behind the version added (a night's data), not all it holds.")] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Hand a training table's version to a trainer: its rows and images in the trainer's format, with a card."""
@@ -544,7 +546,7 @@ def export_cmd(
         raise _fail(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     _, ws = _open(config)
     with _usage_errors(ExportError):
-        result = export(ws.catalog, ref, fmt, out)
+        result = export(ws.catalog, ref, fmt, out, added_only=added)
     console.print(f"exported {result.table}@{result.snapshot} as {fmt}: {result.rows} rows, {result.images} images "
                   f"to {result.out} (card: {result.card})", highlight=False)
 

@@ -102,6 +102,9 @@ def export(catalog: Catalog, ref: str, fmt: str, out: Path, *, added_only: bool 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     if fmt == "verl":
+        if added_only:
+            raise ExportError(f"{ref}: verl exports a queries version whole; only an SFT table's export takes the "
+                              "rows its run added")
         from trajforge.synth.verl import export_verl
 
         return export_verl(catalog, ref, out)

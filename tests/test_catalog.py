@@ -235,7 +235,7 @@ def test_overwrite_of_an_empty_table(catalog: Catalog) -> None:
 
 
 def test_an_overwrite_with_no_files_empties_the_table_in_one_version(catalog: Catalog) -> None:
-    """A replaced table (the night's queries, its export) can become empty; the old rows stay readable."""
+    """A replaced table (the current query set) can become empty; the old rows stay readable."""
     before = catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"), mode="overwrite")
     after = catalog.commit_files("queries", [], lineage("qg-2"), mode="overwrite")
 

@@ -159,17 +159,18 @@ def test_a_version_by_snapshot_id_is_the_version_by_tag(night, tmp_path):
     assert (result.out / "train.jsonl").read_bytes() == (exports["ms-swift"].out / "train.jsonl").read_bytes()
 
 
-@pytest.mark.parametrize(("ref", "fmt", "named"), [
-    ("ces_coordinator_rl@latest", "ms-swift", ["ces_coordinator_rl", "ms-swift", "an RL table"]),
-    ("agentic_q_values", "hf", ["agentic_q_values", "hf", "an RL table"]),
-    ("steps", "llamafactory", ["steps", "not a training table"]),
-    (f"{TABLE}@latest", "parquet", ["parquet", "ms-swift, llamafactory, hf, verl"]),
-    (f"{TABLE}@no-such-tag", "hf", ["no-such-tag"]),
+@pytest.mark.parametrize(("ref", "fmt", "added", "named"), [
+    ("ces_coordinator_rl@latest", "ms-swift", False, ["ces_coordinator_rl", "ms-swift", "an RL table"]),
+    ("agentic_q_values", "hf", False, ["agentic_q_values", "hf", "an RL table"]),
+    ("steps", "llamafactory", False, ["steps", "not a training table"]),
+    (f"{TABLE}@latest", "parquet", False, ["parquet", "ms-swift, llamafactory, hf, verl"]),
+    (f"{TABLE}@no-such-tag", "hf", False, ["no-such-tag"]),
+    ("queries@latest", "verl", True, ["queries@latest", "verl exports a queries version whole"]),
 ])
-def test_what_cannot_be_exported_fails_naming_it_and_writes_nothing(night, tmp_path, ref, fmt, named):
+def test_what_cannot_be_exported_fails_naming_it_and_writes_nothing(night, tmp_path, ref, fmt, added, named):
     catalog, *_ = night
     with pytest.raises(ExportError) as error:
-        export(catalog, ref, fmt, tmp_path / "out")
+        export(catalog, ref, fmt, tmp_path / "out", added_only=added)
     assert all(n in str(error.value) for n in named), str(error.value)
     assert list(tmp_path.iterdir()) == []
 

@@ -131,6 +131,39 @@ def test_the_second_night_rolls_no_query_again_and_says_why(two_nights):
     assert "Not rolled again: 6 queries" in report and "| train_e2e | all | 0 (no policy episode this run) |" in report
 
 
+def test_train_e2e_accumulates_and_an_export_rerun_writes_no_episode_twice(two_nights, trajforge_cli, tmp_path):
+    """train_e2e accumulates as every training table does, so a night with nothing new empties nothing (a trainer
+    reads @latest). `trajforge run export` by hand on night 1's verdicts writes none of its episodes again with
+    the same configuration; with another it adds them as its own rows, and `export --added` hands over those
+    alone."""
+    cwd, _, _ = two_nights
+    ws = workspace(cwd)
+    night1, night2 = of_stage(ws, "train_e2e", "export")[:2]
+    assert night1.added_rows > 0 and night2.added_rows == 0 and night2.total_rows == night1.added_rows
+    exported = ws.catalog.rows_added("train_e2e", night1.snapshot_id)[0]["episode_id"].n_unique()
+    verdicts = of_stage(ws, "verdicts", "critics")[0].snapshot_id
+
+    cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}")
+    same = of_stage(ws, "train_e2e", "export")[-1]
+    assert same.added_rows == 0 and same.total_rows == night1.added_rows
+    assert same.lineage.stats["episodes already exported with this configuration by an earlier run"] == exported
+
+    config = (cwd / "trajforge.yaml").read_text()
+    assert "synth: {writer: template}" in config
+    (cwd / "reweighted.yaml").write_text(config.replace("synth: {writer: template}",
+                                                        "synth: {writer: template, reweight_smoothing: 0.2}"))
+    cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}", "--config", "reweighted.yaml")
+    again = of_stage(ws, "train_e2e", "export")[-1]
+    assert again.added_rows == night1.added_rows and again.total_rows == 2 * night1.added_rows
+    for flags, rows in (([], again.total_rows), (["--added"], again.added_rows)):
+        out = tmp_path / f"export{len(flags)}"
+        cli(trajforge_cli, cwd, "export", f"train_e2e@{again.snapshot_id}", "--format", "ms-swift", "--out", str(out),
+            *flags)
+        assert len((out / "train.jsonl").read_text().splitlines()) == rows
+    runs = {r["run_id"] for r in ws.catalog.load("train_e2e", again.snapshot_id).iter_rows(named=True)}
+    assert runs == {night1.run_id, again.run_id}
+
+
 def test_critics_rerun_alone_names_its_input_snapshot(two_nights, trajforge_cli):
     cwd, _, _ = two_nights
     ws = workspace(cwd)
