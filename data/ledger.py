@@ -64,6 +64,17 @@ shards = sa.Table(
     sa.Column("done_at", sa.DateTime(timezone=True), nullable=False),
 )
 
+units = sa.Table(
+    "trajforge_stage_units",
+    _meta,
+    sa.Column("run_id", sa.String(80), primary_key=True),
+    sa.Column("stage", sa.String(40), primary_key=True),
+    sa.Column("unit_key", sa.String(512), primary_key=True),
+    sa.Column("once_hash", sa.String(64), nullable=False, doc="The configuration and code it did them with."),
+    sa.Column("scope", sa.String(200), nullable=False, doc="The warehouse (`Ledger.scope`): not another's units."),
+    comment="The units a committed stage run did, for stages that do a unit once per configuration (StageDef.once).",
+)
+
 
 class RunLocked(RuntimeError):
     """Another run holds the warehouse for writing."""
@@ -233,13 +244,28 @@ class Ledger:
             return set(conn.execute(sa.select(stages.c.run_id).where(stages.c.stage == stage,
                                                                      stages.c.snapshots.is_not(None))).scalars())
 
-    def mark_committed(self, run_id: str, stage: str, snapshots: dict[str, int]) -> None:
+    def mark_committed(self, run_id: str, stage: str, snapshots: dict[str, int], *, once_hash: str = "",
+                       unit_keys: frozenset[str] = frozenset()) -> None:
+        """The stage's commits are all in; with `unit_keys`, which units it did as `once_hash` says, in the
+        same transaction (`units_done`)."""
         with self.engine.begin() as conn:
+            conn.execute(units.delete().where(units.c.run_id == run_id, units.c.stage == stage))
+            if unit_keys:
+                conn.execute(units.insert(), [{"run_id": run_id, "stage": stage, "unit_key": key,
+                                               "once_hash": once_hash, "scope": self.scope}
+                                              for key in sorted(unit_keys)])
             conn.execute(
                 stages.update()
                 .where(stages.c.run_id == run_id, stages.c.stage == stage)
                 .values(snapshots=json.dumps(snapshots))
             )
+
+    def units_done(self, stage: str, once_hash: str, *, besides: str) -> set[str]:
+        """The keys of the units that runs other than `besides` did in `stage` as `once_hash` says, and committed."""
+        with self.engine.connect() as conn:
+            return set(conn.execute(sa.select(units.c.unit_key).where(
+                units.c.stage == stage, units.c.once_hash == once_hash, units.c.scope == self.scope,
+                units.c.run_id != besides)).scalars())
 
     def record_shard(self, run_id: str, stage: str, record: ShardRecord) -> None:
         values = dict(

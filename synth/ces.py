@@ -455,6 +455,7 @@ STAGE = StageDef[Workspace, TrustedEpisode](
     reads="steps",
     writes={t: "append" for t in TABLES},
     sections=("ces", "synth", "llm"),
+    once=True,
     load=load_trusted,
     run=ces,
     shard_size=lambda s: 50,

@@ -16,14 +16,13 @@ filters; the Reflector's answers are balanced 1:1 (filter 4).
 The tables accumulate, as every training table does: a version holds every row exported so far
 (what a fine-tuning job reads), the rows its run added are that night's (what the loop trains on,
 `Catalog.rows_added`), and a night with no policy episode adds none and empties nothing. An episode
-an earlier run exported with the same configuration is not exported again (a stage rerun by hand on
-an older verdicts version writes no row twice).
+an earlier run exported with the same configuration and code is not exported again (`StageDef.once`: a stage
+rerun by hand on an older verdicts version writes no row twice).
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass
 
 import polars as pl
@@ -46,7 +45,7 @@ from trajforge.schemas.records import (
     TrainingStep,
     WorkerChat,
 )
-from trajforge.schemas.stage import Inputs, StageDef, StageOutput, config_hash
+from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 from trajforge.synth.chat import chat_messages, policy_messages
 from trajforge.synth.filters import POSITIVE, Reflection, balance_reflections, consistent, critic_score, weights
 
@@ -173,29 +172,9 @@ def _sample(unit: ExportUnit, step: Step, label: str, score: float, summary: str
 # ---------------------------------------------------------------- the stage
 
 
-def _exported_before(ws: Workspace) -> set[str]:
-    """Episodes with rows that an earlier run's export wrote with this configuration (runs whose stage committed
-    every table: `Ledger.committed_runs`)."""
-    this_config = config_hash(ws.settings, SECTIONS)
-    committed = ws.ledger.committed_runs("export")
-    episodes: set[str] = set()
-    for table in set(TABLES) & set(ws.catalog.tables()):
-        runs = {info.lineage.run_id for info in ws.catalog.history(table)
-                if info.lineage is not None and info.lineage.config_hash == this_config} & committed
-        if runs:
-            frame = ws.catalog.scan(table).select("run_id", "episode_id").filter(pl.col("run_id").is_in(list(runs)))
-            episodes |= set(frame.collect()["episode_id"])
-    return episodes
-
-
 def load_export_units(ws: Workspace, snapshot: int | None) -> Inputs[ExportUnit]:
-    """Judged episodes of one verdicts version with their step critics' labels, less those exported before."""
+    """Judged episodes of one verdicts version with their step critics' labels."""
     judged, snapshots, verdicts = load_judged(ws, snapshot)
-    stats: Counter[str] = Counter()
-    if done := _exported_before(ws):
-        stats["episodes already exported with this configuration by an earlier run"] = \
-            sum(u.episode.episode_id in done for u, _ in judged)
-        judged = [(u, ok) for u, ok in judged if u.episode.episode_id not in done]
     critiques_snapshot = ws.catalog.written_with("step_critiques", verdicts)
     critiques, _ = ws.catalog.rows_added("step_critiques", critiques_snapshot)
     labels = {r["step_id"]: StepLabel(r["label"], r["summary"])
@@ -210,8 +189,7 @@ def load_export_units(ws: Workspace, snapshot: int | None) -> Inputs[ExportUnit]
                         p_succ.get(u.episode.query_id), weight.get(u.episode.query_id, 1.0))
              for u, ok in judged]
     read = snapshots | {"step_critiques": critiques_snapshot}
-    return Inputs(units=units, snapshots=read | ({"query_history": history_snapshot} if history_snapshot else {}),
-                  stats=+stats)
+    return Inputs(units=units, snapshots=read | ({"query_history": history_snapshot} if history_snapshot else {}))
 
 
 def run_export(units: list[ExportUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
@@ -224,6 +202,7 @@ STAGE = StageDef[Workspace, ExportUnit](
     reads="verdicts",
     writes=dict.fromkeys(TABLES, "append"),
     sections=SECTIONS,
+    once=True,
     load=load_export_units,
     run=run_export,
     shard_size=lambda s: 50,

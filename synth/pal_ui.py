@@ -252,6 +252,7 @@ STAGE = StageDef[Workspace, TrustedEpisode](
     reads="steps",
     writes={"pal_ui_teacher": "append"},
     sections=("pal_ui", "synth", "llm"),
+    once=True,
     load=load_trusted,
     run=teach,
     shard_size=lambda s: 50,

@@ -227,6 +227,7 @@ STAGE = StageDef[Workspace, PalUITeacher](
     reads="pal_ui_teacher",
     writes={"pal_ui_sft": "append"},
     sections=("pal_ui",),
+    once=True,
     load=load_passes,
     run=compile_sft,
     shard_size=lambda s: ONE_SHARD,

@@ -181,6 +181,7 @@ STAGE = StageDef[Workspace, TrustedEpisode](
     reads="steps",
     writes={"reasoning_samples": "append", "train_reasoning": "append"},
     sections=("synth", "llm"),
+    once=True,
     load=load_trusted,
     run=reason,
     shard_size=lambda s: 50,

@@ -261,6 +261,7 @@ STAGE = StageDef[Workspace, EpisodeSteps](
     reads="steps",
     writes={"action_semantics": "append", "train_semantics": "append"},
     sections=("synth", "llm"),
+    once=True,
     load=load_episodes,
     run=semantics,
     shard_size=lambda s: 25,

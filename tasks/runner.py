@@ -38,6 +38,11 @@ class StagePlan:
     pending: list[Shard]
     shard_ids: frozenset[str]
     input_stats: Counter[str]
+    unit_keys: frozenset[str] = frozenset()
+    """Every unit's key, for a stage that does a unit once per configuration (`StageDef.once`)."""
+    once_hash: str = ""
+    """What doing a unit again would have to differ in for `StageDef.once`: the config hash and the code version
+    (a new version may bring new prompts)."""
 
     @property
     def total(self) -> int:
@@ -47,7 +52,15 @@ class StagePlan:
 def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> StagePlan:
     """Load the stage's inputs and list the shards this run has not finished yet."""
     inputs = stage.load(ws, input_snapshot)
+    config = config_hash(ws.settings, stage.sections, inputs.fingerprint)
     units = sorted(inputs.units, key=stage.key)
+    stats = Counter(inputs.stats)
+    once_hash = digest(f"{config}:{code_version()}") if stage.once else ""
+    if stage.once and (done := ws.ledger.units_done(stage.name, once_hash, besides=run_id)):
+        kept = [u for u in units if stage.key(u) not in done]
+        if len(kept) < len(units):
+            stats["already done by an earlier run with this configuration"] += len(units) - len(kept)
+        units = kept
     size = stage.shard_size(ws.settings)
     shards = []
     for start in range(0, len(units), size):
@@ -59,10 +72,12 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         stage=stage,
         run_id=run_id,
         inputs=inputs.snapshots,
-        config_hash=config_hash(ws.settings, stage.sections, inputs.fingerprint),
+        config_hash=config,
         pending=[s for s in shards if s.shard_id not in done],
         shard_ids=frozenset(s.shard_id for s in shards),
-        input_stats=inputs.stats,
+        input_stats=stats,
+        unit_keys=frozenset(stage.key(u) for u in units) if stage.once else frozenset(),
+        once_hash=once_hash,
     )
 
 
@@ -138,7 +153,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             stats=dict(stats),
         )
         snapshots[table] = ws.catalog.commit_files(table, files[table], lineage, mode)
-    ws.ledger.mark_committed(run_id, stage.name, snapshots)
+    ws.ledger.mark_committed(run_id, stage.name, snapshots, once_hash=plan.once_hash, unit_keys=plan.unit_keys)
     return snapshots
 
 

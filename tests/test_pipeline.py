@@ -22,6 +22,9 @@ from trajforge.schemas.config import Settings
 
 pytestmark = pytest.mark.browser
 
+DONE_BEFORE = "already done by an earlier run with this configuration"
+"""The count `StageDef.once` stages give in their lineage's stats (tasks/runner.py)."""
+
 CONFIG = """
 query_gen:
   apps: [shop]
@@ -131,22 +134,27 @@ def test_the_second_night_rolls_no_query_again_and_says_why(two_nights):
     assert "Not rolled again: 6 queries" in report and "| train_e2e | all | 0 (no policy episode this run) |" in report
 
 
-def test_train_e2e_accumulates_and_an_export_rerun_writes_no_episode_twice(two_nights, trajforge_cli, tmp_path):
+def test_train_e2e_accumulates_and_a_stage_rerun_by_hand_writes_no_row_twice(two_nights, trajforge_cli, tmp_path):
     """train_e2e accumulates as every training table does, so a night with nothing new empties nothing (a trainer
-    reads @latest). `trajforge run export` by hand on night 1's verdicts writes none of its episodes again with
-    the same configuration; with another it adds them as its own rows, and `export --added` hands over those
-    alone."""
+    reads @latest). `trajforge run export` or `run semantics` by hand on night 1's input writes none of its rows
+    again with the same configuration (semantics wrote all 75 again before); export with another configuration
+    adds them as its own rows, and `export --added` hands over those alone."""
     cwd, _, _ = two_nights
     ws = workspace(cwd)
     night1, night2 = of_stage(ws, "train_e2e", "export")[:2]
     assert night1.added_rows > 0 and night2.added_rows == 0 and night2.total_rows == night1.added_rows
-    exported = ws.catalog.rows_added("train_e2e", night1.snapshot_id)[0]["episode_id"].n_unique()
     verdicts = of_stage(ws, "verdicts", "critics")[0].snapshot_id
+    judged = ws.catalog.rows_added("verdicts", verdicts)[0].height
+    semantics = of_stage(ws, "action_semantics", "semantics")[0]
+    assert semantics.added_rows > 0
 
     cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}")
+    cli(trajforge_cli, cwd, "run", "semantics", "--input", f"steps@{semantics.lineage.inputs['steps']}")
     same = of_stage(ws, "train_e2e", "export")[-1]
     assert same.added_rows == 0 and same.total_rows == night1.added_rows
-    assert same.lineage.stats["episodes already exported with this configuration by an earlier run"] == exported
+    assert same.lineage.stats[DONE_BEFORE] == judged
+    again = of_stage(ws, "action_semantics", "semantics")[-1]
+    assert again.added_rows == 0 and again.total_rows == semantics.total_rows and again.lineage.stats[DONE_BEFORE] > 0
 
     config = (cwd / "trajforge.yaml").read_text()
     assert "synth: {writer: template}" in config

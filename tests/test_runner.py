@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from datetime import datetime, timezone
 
@@ -153,3 +154,30 @@ def test_stats_are_summed_into_lineage_apart_from_drops(ws, run_id):
 def _with_stats(out: StageOutput) -> StageOutput:
     out.stats["coverage: pages used"] += 1
     return out
+
+
+def once(stage: StageDef, fingerprint: str = "f") -> StageDef:
+    """The stage doing each unit once per configuration (`StageDef.once`); the fingerprint stands for its config."""
+    return dataclasses.replace(stage, once=True,
+                               load=lambda ws, snap: Inputs(units=list(APPS), fingerprint=fingerprint))
+
+
+def test_a_once_stage_does_each_unit_once_per_configuration(ws, run_id):
+    """A crash and its resume do every unit once; a later run with the same configuration does none again and
+    says so; another configuration does them all."""
+    calls: list[str] = []
+    p = plan(once(make_stage(calls, fail_on="app4")), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    run_all(once(make_stage(calls)), ws, run_id)  # the run's own units are not work done before
+    assert sorted(set(calls)) == APPS and ws.catalog.load("queries").height == len(APPS)
+
+    calls.clear()
+    later = run_all(once(make_stage(calls)), ws, f"{run_id}-later")
+    assert calls == [] and ws.catalog.load("queries").height == len(APPS)
+    lineage = ws.catalog.lineage("queries", later["queries"])
+    assert lineage.stats == {"already done by an earlier run with this configuration": len(APPS)}
+
+    run_all(once(make_stage(calls), fingerprint="g"), ws, f"{run_id}-changed")
+    assert sorted(calls) == APPS and ws.catalog.load("queries").height == 2 * len(APPS)
