@@ -249,7 +249,6 @@ class Ledger:
         """The stage's commits are all in; with `unit_keys`, which units it did as `once_hash` says, in the
         same transaction (`units_done`)."""
         with self.engine.begin() as conn:
-            conn.execute(units.delete().where(units.c.run_id == run_id, units.c.stage == stage))
             if unit_keys:
                 conn.execute(units.insert(), [{"run_id": run_id, "stage": stage, "unit_key": key,
                                                "once_hash": once_hash, "scope": self.scope}

@@ -53,7 +53,6 @@ ROLE_TABLES: dict[str, type[RoleChat]] = {"manager": ManagerChat, "worker": Work
                                           "notetaker": NotetakerChat}
 """Mobile-Agent-v3's roles (paper 7) and the training table of each."""
 TABLES = ("train_e2e", *(t.table for t in ROLE_TABLES.values()))
-SECTIONS = ("rollout", "synth")
 
 
 @dataclass(frozen=True)
@@ -201,7 +200,7 @@ STAGE = StageDef[Workspace, ExportUnit](
     key=lambda u: u.episode.episode_id,
     reads="verdicts",
     writes=dict.fromkeys(TABLES, "append"),
-    sections=SECTIONS,
+    sections=("rollout", "synth"),
     once=True,
     load=load_export_units,
     run=run_export,
