@@ -84,8 +84,9 @@ class StageDef(Generic[W, U]):
     once: bool = False
     """A unit that an earlier run of this stage did with the same config hash and code version is not done again
     (counted in the lineage's stats): a stage rerun by hand on an input it has done writes no row twice. For
-    stages whose key names a piece of work whose output depends on nothing else (an episode's rows); not for those
-    that take a unit up again with new inputs (a query's attempts, a hard query's guidance)."""
+    stages whose key names everything a unit's output depends on besides the configuration (an episode, and for
+    export whether it was accepted); not for those that take a unit up again with new inputs (a query's attempts,
+    a hard query's guidance)."""
     enabled: Callable[[Settings], bool] = lambda s: True
     """Whether the nightly runs it (the loop's `train` runs with `loop.train`); `trajforge run STAGE` always does."""
     summary: Callable[[dict[str, int]], str | None] | None = None

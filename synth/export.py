@@ -16,8 +16,9 @@ filters; the Reflector's answers are balanced 1:1 (filter 4).
 The tables accumulate, as every training table does: a version holds every row exported so far
 (what a fine-tuning job reads), the rows its run added are that night's (what the loop trains on,
 `Catalog.rows_added`), and a night with no policy episode adds none and empties nothing. An episode
-an earlier run exported with the same configuration and code is not exported again (`StageDef.once`: a stage
-rerun by hand on an older verdicts version writes no row twice).
+an earlier run took with the same acceptance, configuration and code is not taken again (`StageDef.once`: a
+stage rerun by hand on an older verdicts version writes no row twice); one the critics accept on a second
+judging after rejecting it is exported then.
 """
 
 from __future__ import annotations
@@ -191,13 +192,21 @@ def load_export_units(ws: Workspace, snapshot: int | None) -> Inputs[ExportUnit]
     return Inputs(units=units, snapshots=read | ({"query_history": history_snapshot} if history_snapshot else {}))
 
 
+def unit_key(unit: ExportUnit) -> str:
+    """The episode and whether the critics accepted it. `StageDef.once` skips a key that an earlier run did, and
+    the rows an episode gives depend on its verdict: keyed on the episode alone, an episode rejected by one export
+    was skipped by the next, after the critics had judged it again and accepted it (a user's `trajforge run
+    critics --input episodes@N` with a better judge, then `run export`), so it was never exported."""
+    return f"{unit.episode.episode_id}:{'accepted' if unit.success else 'not accepted'}"
+
+
 def run_export(units: list[ExportUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
     return export(units, run_id=run_id, tag=ws.run_tag(run_id), blobs=ws.blobs, settings=ws.settings.synth)
 
 
 STAGE = StageDef[Workspace, ExportUnit](
     name="export",
-    key=lambda u: u.episode.episode_id,
+    key=unit_key,
     reads="verdicts",
     writes=dict.fromkeys(TABLES, "append"),
     sections=("rollout", "synth"),

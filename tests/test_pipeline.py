@@ -172,6 +172,45 @@ def test_train_e2e_accumulates_and_a_stage_rerun_by_hand_writes_no_row_twice(two
     assert runs == {night1.run_id, again.run_id}
 
 
+def test_an_episode_accepted_when_judged_again_is_exported_then(two_nights, trajforge_cli):
+    """A user judges night 1's episodes again and exports each verdicts version, with a configuration no earlier
+    export used: first with a consensus that accepts none (the paper's: both channels must say success, and
+    neither is asked here), then with the checker's, which accepts them all. The second export writes the
+    accepted episodes' rows though the first took the same episodes when they were rejected (keyed on the episode
+    alone, it skipped them: 0 rows); a third writes none of them twice."""
+    cwd, _, _ = two_nights
+    ws = workspace(cwd)
+    episodes = of_stage(ws, "episodes", "rollout")[0].snapshot_id
+    strict = (cwd / "trajforge.yaml").read_text().replace("synth: {writer: template}",
+                                                          "synth: {writer: template, tau_c: 0.75}")
+    (cwd / "strict.yaml").write_text(strict)
+    (cwd / "none-accepted.yaml").write_text(strict.replace("text_channel: false}",
+                                                           "text_channel: false, consensus: paper}"))
+
+    def judge_and_export(config: str):  # -> the verdicts it added, and the export's train_e2e version
+        cli(trajforge_cli, cwd, "run", "critics", "--input", f"episodes@{episodes}", "--config", config)
+        verdicts = of_stage(ws, "verdicts", "critics")[-1].snapshot_id
+        cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}", "--config", config)
+        return ws.catalog.rows_added("verdicts", verdicts)[0], of_stage(ws, "train_e2e", "export")[-1]
+
+    rejected, export = judge_and_export("none-accepted.yaml")
+    assert rejected.height > 0 and not rejected["success"].any() and export.added_rows == 0
+    accepted, export = judge_and_export("strict.yaml")
+    assert accepted["success"].all() and set(accepted["episode_id"]) == set(rejected["episode_id"])
+    critiques = ws.catalog.rows_added("step_critiques", export.lineage.inputs["step_critiques"])[0]
+    labels = dict(critiques.select("step_id", "label").iter_rows())
+    steps = ws.catalog.load("steps").filter(pl.col("episode_id").is_in(accepted["episode_id"].to_list())
+                                            & pl.col("action_valid"))
+    good = {s for s in steps["step_id"] if labels[s] == "GOOD"}  # tau_c 0.75: GOOD steps only
+    assert good and export.added_rows == len(good) and DONE_BEFORE not in export.lineage.stats
+    assert set(ws.catalog.rows_added("train_e2e", export.snapshot_id)[0]["step_id"]) == good
+
+    verdicts = export.lineage.inputs["verdicts"]
+    cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}", "--config", "strict.yaml")
+    again = of_stage(ws, "train_e2e", "export")[-1]
+    assert again.added_rows == 0 and again.lineage.stats[DONE_BEFORE] == accepted.height
+
+
 def test_critics_rerun_alone_names_its_input_snapshot(two_nights, trajforge_cli):
     cwd, _, _ = two_nights
     ws = workspace(cwd)
