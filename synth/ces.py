@@ -256,11 +256,13 @@ def _prompt(c: _CES, name: str, **variables: Any) -> tuple[str, list[bytes]]:
 def _choose(units: list[TrustedEpisode], budget: int) -> list[tuple[TrustedEpisode, int]]:
     """Up to `budget` valid trusted steps spread over the episodes: each episode's steps in an order a hash of their
     ids fixes (the paper samples GUI-Odyssey steps at random; a hash keeps a rerun's choice, and so its cache),
-    then the first of every episode before the second of any."""
+    step 0 last, then the first of every episode before the second of any. Step 0 gives a coordinator group but
+    no state-tracker group (it has no earlier step): drawn first, as on 2026-12-01's default night (a budget of
+    one step), it left `ces_state_tracker_rl` without a row."""
     ranked = []
     for unit in units:
         valid = sorted((i for i, s in enumerate(unit.steps) if s.action_valid),
-                       key=lambda i, steps=unit.steps: digest(steps[i].step_id))
+                       key=lambda i, steps=unit.steps: (i == 0, digest(steps[i].step_id)))
         ranked += [(rank, unit.episode_id, unit, i) for rank, i in enumerate(valid)]
     ranked.sort(key=lambda r: (r[0], r[1]))
     return [(unit, i) for _, _, unit, i in ranked[:budget]]
