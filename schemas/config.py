@@ -533,9 +533,9 @@ class PalUISettings(_Section):
     steps_per_shard: int = Field(
         default=8, ge=0, description="Trusted steps per shard of episodes given a teacher pass (paper: every step of "
         "8.6K; a budget here because each pass costs model calls: a caption and a validation per earlier step, cached, "
-        "then one or two teacher calls). 8, not fewer: the embedded teacher matches about one trusted step in four "
-        "(2 of 8 on 2026-12-01's default night), so with 2 a default night had no pal_ui_sft row about half the "
-        "time (0 of 2 that night); 8 passes took 1:48 against 0:48 for 2.")
+        "then one or two teacher calls). 8, not fewer: the embedded teacher matches one trusted step in four to "
+        "eight (2 and 1 of 8 on two default nights of 2026-12-01), so with 2 a default night often had no "
+        "pal_ui_sft row (0 of 2 on the first); the stage took 3:02 with 8 against 0:48 with 2.")
     min_step: int = Field(
         default=1, ge=0, description="A step needs this many earlier steps to be a sample (step 0 has nothing to look "
         "back at); not in the paper.")
