@@ -28,7 +28,7 @@ from trajforge.schemas.config import CESSettings, Settings
 from trajforge.schemas.records import Step
 from trajforge.synth import ces
 from trajforge.synth.match import match
-from trajforge.synth.trusted import group_advantages, trusted_action
+from trajforge.synth.trusted import TrustedEpisode, group_advantages, trusted_action
 from trajforge.tasks.runner import run_inline
 
 pytestmark = pytest.mark.browser
@@ -147,6 +147,23 @@ def _step(kind: str, args: dict[str, Any], role: str | None = None, name: str | 
                 screenshot_after="b" * 64, width=390, height=844, url_before="u", url_after="u", title_before="t",
                 title_after="t", ax_tree_before="", action_type=kind, action_json=json.dumps(args), action_valid=True,
                 target_role=role, target_name=name, thought="", raw_output="", duration_ms=0)
+
+
+def test_the_steps_scored_are_later_steps_before_any_step_0():
+    """Step 0 gives no state-tracker group, so a budget of one step per episode draws a later step of each episode
+    that has one (the hash order put step 0 first in some of these 20), and step 0 only of an episode without."""
+    click = _step("click", {"x": 5, "y": 9}, "link", "Cart")
+
+    def episode(name: str, length: int) -> TrustedEpisode:
+        steps = [click.model_copy(update={"step_id": f"{name}:{i}", "episode_id": name, "step_index": i})
+                 for i in range(length)]
+        return TrustedEpisode(name, "q", "task", "mobile", "reference", steps)
+
+    units = [episode(f"e{n}", 3) for n in range(20)] + [episode("short", 1)]
+    chosen = ces._choose(units, len(units))
+    assert sorted(unit.episode_id for unit, _ in chosen) == sorted(u.episode_id for u in units)
+    assert {index for unit, index in chosen if unit.episode_id != "short"} <= {1, 2}
+    assert [index for unit, index in chosen if unit.episode_id == "short"] == [0]
 
 
 # ---------------------------------------------------------------- the rules, by hand
