@@ -556,7 +556,8 @@ class BrowserEnv:
         self._call(self._reset(session_id, url, app_protocol), "reset")
 
     async def _reset(self, session_id: str, url: str, app_protocol: bool) -> None:
-        if self._broken or self._page is None or self._page.is_closed() or not self._browser_alive():
+        if self._broken or self._page is None or self._page.is_closed() or not self._browser_alive() \
+                or not await self._clear_storage():
             if self._context is not None:
                 with contextlib.suppress(PlaywrightError):  # the old one is dead already
                     await self._context.close()
@@ -564,13 +565,6 @@ class BrowserEnv:
         assert self._context is not None and self._page is not None and self._cdp is not None
         parts = urlsplit(url)
         self._home, self._origin = url, f"{parts.scheme}://{parts.netloc}"
-        clears: list[Awaitable[Any]] = [self._context.clear_cookies()]
-        for origin in self._origins:
-            clears.append(self._cdp.send("Storage.clearDataForOrigin", {"origin": origin, "storageTypes": _APP_STORAGE}))
-            # sessionStorage belongs to the tab, which is reused.
-            clears.append(self._cdp.send("DOMStorage.clear",
-                                         {"storageId": {"securityOrigin": origin, "isLocalStorage": False}}))
-        await asyncio.gather(*clears)
         self._origins = {self._origin}
         if app_protocol:
             await self._context.add_cookies([{"name": SESSION_COOKIE, "value": session_id, "url": self._origin}])
@@ -585,6 +579,25 @@ class BrowserEnv:
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
         self._seen = ([], Layout())
+
+    async def _clear_storage(self) -> bool:
+        """Clear the context's cookies and the storage of every origin the last episode visited; False when
+        one could not be cleared, so a new context (which has none) is needed.
+
+        sessionStorage belongs to the tab, which is reused, and DOMStorage.clear reaches it only through a
+        frame that shows its origin: after an episode that left its app (another app opened, a link
+        followed) it answered "Frame not found", and the next reset faulted."""
+        assert self._context is not None and self._cdp is not None
+        clears: list[Awaitable[Any]] = [self._context.clear_cookies()]
+        for origin in self._origins:
+            clears.append(self._cdp.send("Storage.clearDataForOrigin", {"origin": origin, "storageTypes": _APP_STORAGE}))
+            clears.append(self._cdp.send("DOMStorage.clear",
+                                         {"storageId": {"securityOrigin": origin, "isLocalStorage": False}}))
+        failures = [r for r in await asyncio.gather(*clears, return_exceptions=True) if isinstance(r, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, PlaywrightError):
+                raise failure
+        return not failures
 
     def observe(self) -> Observation:
         """Screenshot and accessibility tree (with element boxes) of the current page.

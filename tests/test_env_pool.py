@@ -104,6 +104,23 @@ def test_reset_gives_the_known_state(pool: EnvPool, server: AppServer, shop: Bun
 
 
 @pytest.mark.browser
+def test_a_reset_after_an_episode_that_left_its_app_gives_the_known_state(pool: EnvPool, server: AppServer) -> None:
+    """The episode stored on the app's origin, then left it for another (a link followed): the next reset
+    neither faults nor keeps the tab's sessionStorage of the app (a cleared reused tab kept it, or faulted)."""
+    from trajforge.envs.miniwob import MiniWoBServer
+
+    env = pool.envs[0]
+    with MiniWoBServer() as elsewhere:
+        env.reset("left", server.base_url + "/")
+        env.page.evaluate("sessionStorage.setItem('y', '2'); localStorage.setItem('x', '1')")
+        env.page.goto(elsewhere.task_url("click-button", 1))
+        env.observe()
+        env.reset("left", server.base_url + "/")
+    assert env.page.evaluate("[localStorage.length, sessionStorage.length, history.length]") == [0, 0, 1]
+    assert env.observe().url == "/"
+
+
+@pytest.mark.browser
 def test_ax_tree_boxes_match_the_elements(pool: EnvPool, server: AppServer) -> None:
     env = pool.envs[1]
     env.reset("boxes", server.base_url + "/")
