@@ -126,7 +126,7 @@ class MiniWoBEnv:
         """Seed the task's generator and start the episode; returns the utterance.
 
         A default task whose page is loaded already restarts in place, as MiniWoB++'s own library resets
-        (the episode ended, the reward display emptied): about 40 ms against a load's 150-200 ms. The page
+        (the episode ended, the reward display emptied): 42 ms against a load's 252 ms at 4 contexts. The page
         then shows what a load shows (tests/test_miniwob.py checks every default task), except that a load
         sometimes paints a task's images after its first screenshot. Other tasks are loaded each time: some
         keep state a restart does not put back (drag-cube's rotation, scroll-text's scroll, book-flight's
