@@ -122,9 +122,10 @@ def first_look(env: MiniWoBEnv, url: str) -> tuple[str, bytes, str, str]:
     """The utterance and the page once it settled: on a loaded page the images a task draws after the load
     event sometimes paint after the first screenshot (jQuery UI's dialog icon, email-inbox's stars), which
     says nothing of what the last episode left, so both sides are compared settled, with the countdown
-    beside the task stopped (a second's tick while settling read 599 on one side and 600 on the other)."""
+    beside the task stopped and blanked (a second's tick while settling read 599 on one side and 600 on the
+    other; on a loaded machine it could tick before it is stopped)."""
     utterance, last = env.reset("s", url), None
-    env.page.evaluate("clearInterval(core.CD_TIMER)")
+    env.page.evaluate("clearInterval(core.CD_TIMER); document.getElementById('timer-countdown').textContent = ''")
     for _ in range(20):
         obs = env.observe()
         if last is not None and (obs.png, obs.ax_tree) == (last.png, last.ax_tree):
