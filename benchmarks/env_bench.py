@@ -171,9 +171,10 @@ def env_pool(base: str, work: list[tuple[str, list[Action]]], contexts: int) -> 
     def episode(env: BrowserEnv, item: tuple[int, tuple[str, list[Action]]]) -> None:
         seed, (task, actions) = item
         url = f"{base}{task}.html?seed={seed}"
-        load = not (task in DEFAULT_TASKS and env.shows_document(url))
+        miniwob = MiniWoBEnv(env)
+        load = not miniwob.restarts(url)
         t0 = time.perf_counter()
-        MiniWoBEnv(env).reset(f"bench-{seed}", url)
+        miniwob.reset(f"bench-{seed}", url)
         env.observe()
         resets.append((time.perf_counter() - t0, load))
         for kind, a, b in actions:

@@ -572,12 +572,16 @@ class BrowserEnv:
             if not response.ok:
                 raise EnvFault(f"POST {self._origin}/__reset answered {response.status}", "app_down")
         self._document = None
-        self._reports = []
-        self._held = False  # the new document holds nothing
-        self.validation_failed_at = None  # nor shows a validation bubble
+        self._forget_episode()
         await self._page.goto(url, wait_until="load")
         await self._cdp.send("Page.resetNavigationHistory")
         self._nav_done.set()
+
+    def _forget_episode(self) -> None:
+        """Drop what the env kept of the last episode's page, for a reset and a restart alike."""
+        self._reports = []
+        self._held = False  # the new document holds nothing
+        self.validation_failed_at = None  # nor shows a validation bubble
         self._seen = ([], Layout())
 
     async def _clear_storage(self) -> bool:
@@ -626,9 +630,7 @@ class BrowserEnv:
     async def _restart(self, url: str, script: str) -> Any:
         assert self._page is not None and self._cdp is not None
         self._home = url
-        self._reports = []
-        self._held = False
-        self.validation_failed_at = None
+        self._forget_episode()
         # At once, as their order does not matter: each round trip waits behind the other contexts' work
         # (at 4 contexts on 2 cores).
         _, result, _ = await asyncio.gather(
@@ -640,7 +642,6 @@ class BrowserEnv:
             self._cdp.send("Page.resetNavigationHistory"),
         )
         self._nav_done.set()
-        self._seen = ([], Layout())
         return result
 
     def observe(self) -> Observation:

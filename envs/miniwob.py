@@ -133,10 +133,10 @@ class MiniWoBEnv:
         widgets, 2026-12-01), as does any page after a fault.
         """
         url = start_url or self.env.start_url or ""
-        task, seed = task_and_seed(url)
+        _, seed = task_and_seed(url)
         start = f"""Math.seedrandom({seed}); core.EPISODE_MAX_TIME = {self.max_time_ms};
                     core.startEpisodeReal(); return core.getUtterance();"""
-        if task in DEFAULT_TASKS and self.env.shows_document(url):
+        if self.restarts(url):
             utterance = self.env.restart(url, f"() => {{ {_END_AND_FORGET} {start} }}")
         else:
             self.env.reset(session_id, url, app_protocol=False)
@@ -144,6 +144,12 @@ class MiniWoBEnv:
         # The natural-language variants (email-inbox-nl-turk, ...) wrap it with the answer's fields outside
         # their 'test' data mode: {"utterance": ..., "fields": ...}; the fields are the solution, not the task.
         return utterance["utterance"] if isinstance(utterance, dict) else utterance
+
+    def restarts(self, url: str) -> bool:
+        """Whether `reset` on `url` restarts the page in place rather than loading it: a default task whose
+        page the env shows, with no fault since."""
+        task, _ = task_and_seed(url)
+        return task in DEFAULT_TASKS and self.env.shows_document(url)
 
     def app_state(self) -> dict[str, Any]:
         """The episode's reward as the page's JavaScript computed it."""
