@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -118,14 +119,17 @@ def test_critics_checker_registry_judges_miniwob_and_bundled_apps():
     assert not ok
 
 
-def first_look(env: MiniWoBEnv, url: str) -> tuple[str, bytes, str, str]:
-    """The utterance and the page once it settled: on a loaded page the images a task draws after the load
-    event sometimes paint after the first screenshot (jQuery UI's dialog icon, email-inbox's stars), which
-    says nothing of what the last episode left, so both sides are compared settled, with the countdown
-    beside the task stopped and blanked (a second's tick while settling read 599 on one side and 600 on the
-    other; on a loaded machine it could tick before it is stopped)."""
-    utterance, last = env.reset("s", url), None
+def stop_countdown(env: MiniWoBEnv) -> None:
+    """Stop and blank the countdown beside the task, which ticks each second (a tick while settling read 599
+    on one side and 600 on the other; on a loaded machine it could tick before it is stopped)."""
     env.page.evaluate("clearInterval(core.CD_TIMER); document.getElementById('timer-countdown').textContent = ''")
+
+
+def first_look(env: MiniWoBEnv, url: str) -> tuple[str, bytes, str, str]:
+    """The utterance and the page once it settled, with the countdown stopped: so only what the last episode
+    left can tell a restart from a load."""
+    utterance, last = env.reset("s", url), None
+    stop_countdown(env)
     for _ in range(20):
         obs = env.observe()
         if last is not None and (obs.png, obs.ax_tree) == (last.png, last.ax_tree):
@@ -133,6 +137,36 @@ def first_look(env: MiniWoBEnv, url: str) -> tuple[str, bytes, str, str]:
         last = obs
         time.sleep(0.05)
     raise AssertionError(f"{url} did not settle")
+
+
+def test_a_loaded_task_shows_its_images_in_its_first_observation(chromium, server):
+    """A task builds its problem after the load event, and an icon is fetched only when an element first shows
+    it: served late (0.4 s here; a busy machine sometimes served them after the first screenshot), the icons
+    are still in the first observation, and those a step shows later (hover variants, an opened email's) are
+    loaded by then."""
+    async def late(route):
+        await asyncio.sleep(0.4)
+        await route.continue_()
+
+    env = MiniWoBEnv(BrowserEnv(viewport="desktop", chromium=chromium))  # its own cache: nothing loaded yet
+    try:
+        env.reset("s", server.task_url("click-button", 1))
+        env.context.route(re.compile(r".*\.(png|gif)$"), late)
+        for task in ("click-dialog", "email-inbox", "social-media"):
+            env.reset("s", server.task_url(task, 2))
+            stop_countdown(env)
+            first = env.observe().png
+            time.sleep(0.6)
+            assert env.observe().png == first, f"{task}: an image arrived after the first observation"
+        # social-media's icons change on hover (`.reply:hover { content: url(reply-hover.png) }`).
+        x, y = env.page.evaluate("""() => { const r = document.querySelector('.reply').getBoundingClientRect();
+                                           return [r.x + r.width / 2, r.y + r.height / 2]; }""")
+        env.act({"type": "mouse_move", "x": x, "y": y})
+        hovered = env.observe().png
+        time.sleep(0.6)
+        assert hovered != first and env.observe().png == hovered, "the hover's icon arrived after the step"
+    finally:
+        env.close()
 
 
 def test_a_restarted_task_shows_what_a_loaded_one_shows(env, server):
