@@ -198,3 +198,8 @@ def test_another_task_or_a_fault_loads_the_page(env, server):
     env.env.fault(RuntimeError("the test's fault"))
     env.reset("s", server.task_url("click-link", 1))
     assert env.page.evaluate("window.loaded_before === undefined")
+    # Not a default task: book-flight keeps its widgets' state, which a restart does not put back.
+    env.reset("s", server.task_url("book-flight", 1))
+    env.page.evaluate("window.loaded_before = true")
+    env.reset("s", server.task_url("book-flight", 2))
+    assert env.page.evaluate("window.loaded_before === undefined")
