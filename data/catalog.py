@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlparse
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 from pyiceberg.catalog.sql import SqlCatalog
@@ -37,7 +38,7 @@ from pyiceberg.exceptions import (
     TableAlreadyExistsError,
     ValidationException,
 )
-from pyiceberg.expressions import AlwaysTrue
+from pyiceberg.expressions import AlwaysTrue, In
 from pyiceberg.io.pyarrow import parquet_file_to_data_file
 from pyiceberg.manifest import DataFile, DataFileContent
 from pyiceberg.table import Table, TableProperties, Transaction
@@ -68,6 +69,9 @@ LINEAGE_KEY = "trajforge.lineage"
 STAGE_KEY = "trajforge.stage"
 RUN_ID_KEY = "trajforge.run_id"
 COMMIT_KEY = "trajforge.commit_key"
+CARRIED_KEY = "trajforge.rows_carried"
+"""Rows a withdrawing commit copied, unchanged, from the files it rewrote: Iceberg counts them as added and
+deleted, `history` does not."""
 
 TABLE_PROPERTIES: dict[str, str] = {
     # Every commit writes a new metadata JSON; keep only a few, or they pile up per stage run.
@@ -83,6 +87,18 @@ TABLE_PROPERTIES: dict[str, str] = {
 COMMIT_ATTEMPTS = 10
 
 CommitMode = Literal["append", "overwrite"]
+
+
+@dataclass(frozen=True)
+class Withdrawal:
+    """Rows an append takes out of the table in the same version: those whose `column` holds one of `values`.
+
+    A stage that does a unit again (another configuration, or for the export another verdict) withdraws the rows
+    earlier runs wrote for it, so an accumulating table holds each unit's newest output once. A file holding only
+    such rows leaves the version; one holding some is rewritten without them. Older versions keep them."""
+
+    column: str
+    values: frozenset[str]
 
 
 class CatalogError(Exception):
@@ -141,6 +157,8 @@ class SnapshotInfo:
     run_id: str | None
     added_rows: int
     total_rows: int
+    removed_rows: int
+    """Rows this version took out: a withdrawal's (`Withdrawal`), or an overwrite's whole previous version."""
     tags: list[str]
     lineage: Lineage | None
 
@@ -216,6 +234,11 @@ def snapshot_lineage(snapshot: Snapshot) -> Lineage | None:
     return Lineage.model_validate_json(raw) if raw else None
 
 
+def _count(snapshot: Snapshot, key: str) -> int:
+    """A count in the snapshot's summary; 0 where it has none."""
+    return int((snapshot.summary[key] if snapshot.summary is not None else None) or 0)
+
+
 def _find_commit(table: Table, commit_key: str) -> int | None:
     """The snapshot that already carries this commit key, if any (idempotent resume)."""
     for snapshot in table.metadata.snapshots:
@@ -235,6 +258,16 @@ def _live_data_files(table: Table, tx: Transaction) -> list[DataFile]:
         for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
         if entry.data_file.content == DataFileContent.DATA
     ]
+
+
+def _data_files(tbl: Table, tx: Transaction, paths: list[str]) -> list[DataFile]:
+    """Parquet files written by the stages as Iceberg data files (their statistics read from the footers)."""
+    if tx.table_metadata.name_mapping() is None:
+        # Files written outside pyiceberg carry no field ids; readers map columns by name.
+        mapping = tx.table_metadata.schema().name_mapping.model_dump_json()
+        tx.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING: mapping})
+    executor = ExecutorFactory.get_or_create()
+    return list(executor.map(lambda p: parquet_file_to_data_file(tbl.io, tx.table_metadata, p), paths))
 
 
 def write_parquet_atomic(data: pa.Table, path: Path) -> None:
@@ -386,6 +419,7 @@ class Catalog:
         files: Iterable[str | Path],
         lineage: Lineage,
         mode: CommitMode = "append",
+        withdraw: Withdrawal | None = None,
     ) -> int:
         """Commit Parquet files as one new snapshot carrying the lineage; return its id.
 
@@ -393,12 +427,14 @@ class Catalog:
         the key, its id is returned and nothing is written. This is how a stage that
         crashed between committing two tables resumes without duplicate rows.
 
-        append adds the files (metadata only, the files are not rewritten); overwrite
-        replaces the table's contents with exactly these files in a single snapshot.
-        Conflicts with concurrent writers are retried with jittered backoff.
+        append adds the files (metadata only, the files are not rewritten), and with `withdraw` takes that
+        withdrawal's rows out in the same snapshot; overwrite replaces the table's contents with exactly these
+        files in a single snapshot. Conflicts with concurrent writers are retried with jittered backoff.
         """
         if mode not in ("append", "overwrite"):
             raise ValueError(f"mode must be 'append' or 'overwrite', not {mode!r}")
+        if withdraw is not None and mode != "append":
+            raise ValueError("a withdrawal goes with an append; an overwrite replaces every row already")
         paths = [_file_uri(f) for f in files]
         properties = lineage.snapshot_properties()
         tbl = self.table(table)
@@ -408,7 +444,12 @@ class Catalog:
                 if (done := _find_commit(tbl, lineage.commit_key)) is not None:
                     return done
                 tx = tbl.transaction()
-                if mode == "append":
+                stale = self._withdrawn(tbl, withdraw) if withdraw is not None and withdraw.values else []
+                if mode == "append" and stale:
+                    assert withdraw is not None
+                    self._rewrite_files(tbl, tx, paths, properties, stale, withdraw, self.data_dir(table) /
+                                        _commit_file_stem(lineage.commit_key))
+                elif mode == "append":
                     tx.add_files(paths, snapshot_properties=properties)
                 else:
                     self._replace_files(tbl, tx, paths, properties)
@@ -426,18 +467,52 @@ class Catalog:
         intermediate version visible in history) and rewrite the data; this keeps one
         version and registers the stage's files as they are.
         """
-        if tx.table_metadata.name_mapping() is None:
-            # Files written outside pyiceberg carry no field ids; readers map columns by name.
-            mapping = tx.table_metadata.schema().name_mapping.model_dump_json()
-            tx.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING: mapping})
-        executor = ExecutorFactory.get_or_create()
-        added = list(executor.map(lambda p: parquet_file_to_data_file(tbl.io, tx.table_metadata, p), paths))
+        added = _data_files(tbl, tx, paths)
         with tx.update_snapshot(snapshot_properties=properties).overwrite() as overwrite:
-            overwrite.delete_by_predicate(AlwaysTrue())
+            overwrite.delete_by_predicate(AlwaysTrue())  # every manifest is looked at; only the files below go
             for data_file in _live_data_files(tbl, tx):
                 overwrite.delete_data_file(data_file)
             for data_file in added:
                 overwrite.append_data_file(data_file)
+
+    @staticmethod
+    def _withdrawn(tbl: Table, withdraw: Withdrawal) -> list[DataFile]:
+        """The current version's data files that hold a row the withdrawal takes out.
+
+        Iceberg's column bounds prune the files first; the withdrawal's column is then read from each file left
+        (the export's episode ids are random hashes, so the bounds of a file of many episodes rarely exclude it;
+        one column of one file costs about a millisecond)."""
+        if tbl.current_snapshot() is None:
+            return []
+        wanted = pa.array(sorted(withdraw.values), pa.string())
+        return [task.file for task in tbl.scan(row_filter=In(withdraw.column, withdraw.values)).plan_files()
+                if pc.any(pc.is_in(pq.read_table(_local_path(task.file.file_path), columns=[withdraw.column])
+                                   .column(0), value_set=wanted)).as_py()]
+
+    @staticmethod
+    def _rewrite_files(tbl: Table, tx: Transaction, paths: list[str], properties: dict[str, str],
+                       stale: list[DataFile], withdraw: Withdrawal, stem: Path) -> None:
+        """Stage one snapshot that adds `paths`, drops the `stale` files and adds each one's rows the withdrawal
+        keeps, rewritten beside them under a name from the commit key and the file (a retried commit rewrites
+        the same file)."""
+        wanted = pa.array(sorted(withdraw.values), pa.string())
+        rewritten: list[str] = []
+        carried = 0
+        for data_file in stale:
+            data = pq.read_table(_local_path(data_file.file_path))
+            kept = data.filter(pc.invert(pc.is_in(data[withdraw.column], value_set=wanted)))
+            if kept.num_rows:
+                path = stem.with_name(f"{stem.name}-rewrite-{digest(data_file.file_path, 12)}.parquet")
+                write_parquet_atomic(kept, path)
+                rewritten.append(_file_uri(path))
+                carried += kept.num_rows
+        added = _data_files(tbl, tx, paths + rewritten)
+        with tx.update_snapshot(snapshot_properties=properties | {CARRIED_KEY: str(carried)}).overwrite() as op:
+            op.delete_by_predicate(AlwaysTrue())  # every manifest is looked at; only the files below go
+            for data_file in stale:
+                op.delete_data_file(data_file)
+            for data_file in added:
+                op.append_data_file(data_file)
 
     def commit_rows(
         self,
@@ -558,8 +633,9 @@ class Catalog:
                     operation=summary.operation.value if summary is not None else "unknown",
                     stage=summary[STAGE_KEY] if summary is not None else None,
                     run_id=summary[RUN_ID_KEY] if summary is not None else None,
-                    added_rows=int((summary["added-records"] if summary is not None else None) or 0),
-                    total_rows=int((summary["total-records"] if summary is not None else None) or 0),
+                    added_rows=_count(snap, "added-records") - _count(snap, CARRIED_KEY),
+                    total_rows=_count(snap, "total-records"),
+                    removed_rows=_count(snap, "deleted-records") - _count(snap, CARRIED_KEY),
                     tags=sorted(tags.get(snap.snapshot_id, [])),
                     lineage=snapshot_lineage(snap),
                 )

@@ -16,7 +16,15 @@ import pytest
 import sqlalchemy
 from polars.exceptions import PerformanceWarning
 
-from trajforge.data.catalog import TABLE_PROPERTIES, Catalog, CatalogError, CorruptData, Lineage, UnknownRef
+from trajforge.data.catalog import (
+    TABLE_PROPERTIES,
+    Catalog,
+    CatalogError,
+    CorruptData,
+    Lineage,
+    UnknownRef,
+    Withdrawal,
+)
 from trajforge.schemas.records import Step
 from trajforge.schemas.tables import RowError, arrow_schema, to_arrow
 
@@ -268,6 +276,41 @@ def test_commit_key_is_idempotent(catalog: Catalog) -> None:
     # The same key may be used on another table (one stage run writing two tables).
     catalog.commit_rows("steps", [step_row("s1")], lineage("qg-1"))
     assert catalog.load("steps").height == 1
+
+
+def test_an_append_that_withdraws_rows_replaces_them_in_one_version(catalog: Catalog) -> None:
+    """A unit done again (the export's episode judged again) takes its earlier rows out in the commit that adds its
+    new ones: from a file of its own, and from a file it shares with other units, which is rewritten. The old
+    version keeps them; history counts the new rows as added and the withdrawn ones as removed, not the rows the
+    rewrite carried over; a resumed commit changes nothing."""
+    folder = catalog.data_dir("steps")
+    shards = {"shared": [("e1", 3), ("e2", 2)], "own": [("e3", 4)]}
+    for name, episodes in shards.items():
+        rows = [step_row(f"{ep}-{i}", episode_id=ep) for ep, n in episodes for i in range(n)]
+        pq.write_table(to_arrow("steps", rows), folder / f"{name}.parquet")
+    first = catalog.commit_files("steps", [folder / "shared.parquet", folder / "own.parquet"], lineage("night-1"))
+    again = [step_row(f"e1-new-{i}", episode_id="e1", run_id="run-2") for i in range(2)]
+    pq.write_table(to_arrow("steps", again), folder / "again.parquet")
+    withdraw = Withdrawal("episode_id", frozenset({"e1", "e3", "e9"}))
+
+    second = catalog.commit_files("steps", [folder / "again.parquet"], lineage("rejudged", run_id="run-2"),
+                                  withdraw=withdraw)
+
+    now = catalog.load("steps")
+    assert sorted(now["step_id"]) == ["e1-new-0", "e1-new-1", "e2-0", "e2-1"]
+    assert catalog.load("steps", first).height == 9
+    info = catalog.history("steps")[-1]
+    assert (info.snapshot_id, info.added_rows, info.removed_rows, info.total_rows) == (second, 2, 7, 4)
+    assert catalog.history("steps")[0].removed_rows == 0
+    assert catalog.commit_files("steps", [folder / "again.parquet"], lineage("rejudged", run_id="run-2"),
+                                withdraw=withdraw) == second
+    assert catalog.load("steps").height == 4 and len(catalog.history("steps")) == 2
+
+    nothing = catalog.commit_files("steps", [], lineage("rejudged-none"), withdraw=Withdrawal("episode_id",
+                                                                                             frozenset({"e9"})))
+    assert catalog.history("steps")[-1].operation == "append" and catalog.load("steps", nothing).height == 4
+    with pytest.raises(ValueError, match="overwrite"):
+        catalog.commit_files("steps", [], lineage("bad"), mode="overwrite", withdraw=withdraw)
 
 
 def test_row_error_leaves_table_untouched(catalog: Catalog) -> None:
