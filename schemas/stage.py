@@ -87,6 +87,12 @@ class StageDef(Generic[W, U]):
     stages whose key names everything a unit's output depends on besides the configuration (an episode, and for
     export whether it was accepted); not for those that take a unit up again with new inputs (a query's attempts,
     a hard query's guidance)."""
+    replaces: tuple[str, Callable[[U], str]] | None = None
+    """For a `once` stage whose tables accumulate: the column of every table it writes that names a unit (the
+    export's `episode_id`), and a unit's value in it. A unit done again (another configuration or code version,
+    or for the export another verdict) takes the rows earlier runs wrote for it out of those tables in the
+    commit that adds its new ones (none, for an episode the critics now reject), so each unit's newest output is
+    there once; older versions keep the rest."""
     enabled: Callable[[Settings], bool] = lambda s: True
     """Whether the nightly runs it (the loop's `train` runs with `loop.train`); `trajforge run STAGE` always does."""
     summary: Callable[[dict[str, int]], str | None] | None = None

@@ -13,12 +13,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from trajforge.data.catalog import Lineage, commit_key, write_parquet_atomic
+from trajforge.data.catalog import Lineage, Withdrawal, commit_key, write_parquet_atomic
 from trajforge.data.ledger import ShardRecord
 from trajforge.llm.workspace import Workspace, code_version
 from trajforge.schemas.ids import digest
 from trajforge.schemas.stage import StageDef, config_hash
-from trajforge.schemas.tables import to_arrow
+from trajforge.schemas.tables import record_model, to_arrow
 
 Stage = StageDef[Workspace, Any]
 
@@ -43,6 +43,8 @@ class StagePlan:
     once_hash: str = ""
     """What doing a unit again would have to differ in for `StageDef.once`: the config hash and the code version
     (a new version may bring new prompts)."""
+    withdraw: Withdrawal | None = None
+    """The earlier rows this run's units replace (`StageDef.replaces`), taken out by its commits."""
 
     @property
     def total(self) -> int:
@@ -61,6 +63,12 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         if len(kept) < len(units):
             stats["already done by an earlier run with this configuration"] += len(units) - len(kept)
         units = kept
+    withdraw = None
+    if stage.replaces is not None:
+        column, value = stage.replaces
+        if missing := [t for t in stage.writes if column not in record_model(t).model_fields]:
+            raise ValueError(f"stage {stage.name!r} replaces rows by {column!r}, which table(s) {missing} lack")
+        withdraw = Withdrawal(column, frozenset(value(u) for u in units))
     size = stage.shard_size(ws.settings)
     shards = []
     for start in range(0, len(units), size):
@@ -78,6 +86,7 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         input_stats=stats,
         unit_keys=frozenset(stage.key(u) for u in units) if stage.once else frozenset(),
         once_hash=once_hash,
+        withdraw=withdraw,
     )
 
 
@@ -152,7 +161,8 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             dropped=dict(dropped),
             stats=dict(stats),
         )
-        snapshots[table] = ws.catalog.commit_files(table, files[table], lineage, mode)
+        withdraw = plan.withdraw if mode == "append" else None
+        snapshots[table] = ws.catalog.commit_files(table, files[table], lineage, mode, withdraw)
     ws.ledger.mark_committed(run_id, stage.name, snapshots, once_hash=plan.once_hash, unit_keys=plan.unit_keys)
     return snapshots
 

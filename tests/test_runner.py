@@ -181,3 +181,34 @@ def test_a_once_stage_does_each_unit_once_per_configuration(ws, run_id):
 
     run_all(once(make_stage(calls), fingerprint="g"), ws, f"{run_id}-changed")
     assert sorted(calls) == APPS and ws.catalog.load("queries").height == 2 * len(APPS)
+
+
+def test_a_unit_done_again_replaces_the_rows_earlier_runs_wrote_for_it(ws, run_id):
+    """With `StageDef.replaces` (the export's episodes), a unit done again under another configuration takes its
+    earlier rows out in the commit that adds its new ones, also after a crash and its resume; units not done
+    again keep theirs, and the version before keeps every row."""
+    calls: list[str] = []
+
+    def replacing(fingerprint: str, units: list[str], fail_on: str | None = None) -> StageDef:
+        stage = once(make_stage(calls, fail_on=fail_on), fingerprint)
+        return dataclasses.replace(stage, replaces=("app", str),
+                                   load=lambda ws, snap: Inputs(units=units, fingerprint=fingerprint))
+
+    first = run_all(replacing("f", APPS), ws, run_id)
+    again = APPS[:3]
+    p = plan(replacing("g", again, fail_on="app2"), ws, f"{run_id}-again", None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    later = run_all(replacing("g", again), ws, f"{run_id}-again")
+
+    rows = ws.catalog.load("queries")
+    assert sorted(rows["app"]) == APPS
+    assert dict(rows.select("app", "run_id").iter_rows()) == {a: f"{run_id}-again" if a in again else run_id
+                                                             for a in APPS}
+    assert ws.catalog.load("queries", first["queries"]).height == len(APPS)
+    assert ws.catalog.history("queries")[-1].snapshot_id == later["queries"]
+    assert ws.catalog.history("queries")[-1].removed_rows == len(again)
+
+    with pytest.raises(ValueError, match=r"replaces rows by 'step_id', which table\(s\) \['queries', 'episodes'\]"):
+        plan(dataclasses.replace(replacing("h", APPS), replaces=("step_id", str)), ws, f"{run_id}-bad", None)
