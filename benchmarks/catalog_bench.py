@@ -2,7 +2,12 @@
 
 A rollout stage writes its steps as shard Parquet files and commits them once; this
 measures that path against plain `pyarrow.parquet.write_table` of the same rows, and
-how long reading the committed version into polars takes. Prints, never asserts.
+how long reading the committed version into polars takes. Then one more shard's append
+three ways, as the export commits it to a table that already holds the first version's
+files: plain; withdrawing its own episodes where no file holds them but every file's
+column bounds admit them (a night's new episodes: each file's column is read); and
+withdrawing 50 episodes that one file holds (an episode exported again: that file is
+rewritten without them). Prints, never asserts.
 
     python benchmarks/catalog_bench.py [--rows 100000] [--shards 20] [--uri postgresql+psycopg://...]
 
@@ -22,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.data.catalog import Catalog, Lineage
+from trajforge.data.catalog import Catalog, Lineage, Withdrawal
 from trajforge.schemas.tables import to_arrow
 
 ROLES = ["button", "link", "textbox", "checkbox", "combobox", "heading", "listitem", "img", "tab", "menuitem"]
@@ -76,6 +81,32 @@ def build_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _appends(catalog: Catalog, shards: list[pa.Table], lineage: Lineage) -> list[tuple[str, float]]:
+    """One more shard appended three ways (module docstring), each timed from its file on disk to its version."""
+    first = shards[0]
+    column = first.schema.get_field_index("step_id")
+    renamed = pa.array([f"x{s}" for s in first["step_id"].to_pylist()])  # new steps of the same episodes
+    extra = first.set_column(column, first.schema.field(column), renamed)
+    firsts = [shard["episode_id"][0].as_py() for shard in shards]
+    in_bounds = frozenset(f"{e}z" for e in firsts)
+    cases = [
+        ("plain", None),
+        # 'ep000000z' sorts inside the first file's bounds and is in no file: every file is read, none rewritten.
+        (f"withdrawing ids in bounds of all {len(shards)}", Withdrawal("episode_id", in_bounds)),
+        ("withdrawing 50 of one file's episodes",
+         Withdrawal("episode_id", frozenset(shards[1]["episode_id"].unique().to_pylist()[:50]))),
+    ]
+    timed = []
+    for n, (label, withdraw) in enumerate(cases):
+        path = catalog.data_dir("steps") / f"bench-extra-{n}.parquet"
+        pq.write_table(extra, path, compression="zstd")
+        key = f"bench-run-{n}:steps"
+        t = time.perf_counter()
+        catalog.commit_files("steps", [path], lineage.model_copy(update={"commit_key": key}), withdraw=withdraw)
+        timed.append((f"append {extra.num_rows:,} rows, {label}", time.perf_counter() - t))
+    return timed
 
 
 def main() -> None:
@@ -135,6 +166,7 @@ def main() -> None:
             t_narrow = time.perf_counter() - t
             assert df.height == args.rows and narrow.height == args.rows
             on_disk = sum(p.stat().st_size for p in paths) / args.rows
+            appends = _appends(catalog, shards, lineage)
         finally:
             if "steps" in catalog.tables():  # leave nothing behind in a shared PostgreSQL
                 catalog.iceberg.drop_table((catalog.namespace, "steps"))
@@ -160,6 +192,10 @@ def main() -> None:
     ]
     for label, seconds in table:
         print(f"{label:<44} {seconds:>8.3f} {n / seconds:>10,.0f}")
+    print()
+    print(f"{'commit of one more shard':<60} {'seconds':>8} {'x plain':>8}")
+    for label, seconds in appends:
+        print(f"{label:<60} {seconds:>8.3f} {seconds / appends[0][1]:>8.2f}")
     print()
     print(f"catalog path / baseline time: {t_catalog / t_baseline:.2f}x   "
           f"(target: >= 20,000 rows/s -> {'met' if n / t_catalog >= 20_000 else 'NOT met'})")

@@ -43,12 +43,14 @@ def versions(catalog: Catalog) -> pl.DataFrame:
     """Every version of every table, oldest first per table: what a notebook lists before choosing one."""
     rows = [
         {"table": table, "snapshot_id": i.snapshot_id, "committed_at": i.committed_at, "stage": i.stage,
-         "run_id": i.run_id, "added_rows": i.added_rows, "total_rows": i.total_rows, "tags": ", ".join(i.tags)}
+         "run_id": i.run_id, "added_rows": i.added_rows, "removed_rows": i.removed_rows, "total_rows": i.total_rows,
+         "tags": ", ".join(i.tags)}
         for table in catalog.tables() for i in catalog.history(table)
     ]
     return pl.DataFrame(rows, schema={
         "table": pl.String, "snapshot_id": pl.Int64, "committed_at": pl.Datetime("us", "UTC"), "stage": pl.String,
-        "run_id": pl.String, "added_rows": pl.Int64, "total_rows": pl.Int64, "tags": pl.String})
+        "run_id": pl.String, "added_rows": pl.Int64, "removed_rows": pl.Int64, "total_rows": pl.Int64,
+        "tags": pl.String})
 
 
 def night_labels(catalog: Catalog, table: str) -> dict[str, str]:

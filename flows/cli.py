@@ -322,13 +322,14 @@ def datasets_history(table: str, config: ConfigOpt = None) -> None:
     with _usage_errors():
         history = ws.catalog.history(table)
     out = Table(title=f"{table}: {len(history)} version(s)")
-    for col in ("snapshot", "committed at", "operation", "stage", "run", "added", "total", "inputs", "tags"):
+    for col in ("snapshot", "committed at", "operation", "stage", "run", "added", "removed", "total", "inputs",
+                "tags"):
         out.add_column(col)
     for i in history:
         inputs = ", ".join(f"{t}@{s}" for t, s in (i.lineage.inputs.items() if i.lineage else []))
         out.add_row(
             str(i.snapshot_id), f"{i.committed_at:%Y-%m-%d %H:%M:%S}", i.operation, i.stage or "-",
-            i.run_id or "-", str(i.added_rows), str(i.total_rows), inputs, ", ".join(i.tags),
+            i.run_id or "-", str(i.added_rows), str(i.removed_rows), str(i.total_rows), inputs, ", ".join(i.tags),
         )
     console.print(out)
 

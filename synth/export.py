@@ -18,7 +18,9 @@ The tables accumulate, as every training table does: a version holds every row e
 `Catalog.rows_added`), and a night with no policy episode adds none and empties nothing. An episode
 an earlier run took with the same acceptance, configuration and code is not taken again (`StageDef.once`: a
 stage rerun by hand on an older verdicts version writes no row twice); one the critics accept on a second
-judging after rejecting it is exported then.
+judging after rejecting it is exported then. An episode exported again (judged again, or with another
+configuration) replaces its earlier rows in the same commit (`StageDef.replaces`), so every table holds each
+episode's newest rows once, and an episode the critics reject on a second judging leaves no row behind.
 """
 
 from __future__ import annotations
@@ -211,6 +213,7 @@ STAGE = StageDef[Workspace, ExportUnit](
     writes=dict.fromkeys(TABLES, "append"),
     sections=("rollout", "synth"),
     once=True,
+    replaces=("episode_id", lambda unit: unit.episode.episode_id),
     load=load_export_units,
     run=run_export,
     shard_size=lambda s: 50,

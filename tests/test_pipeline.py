@@ -138,7 +138,8 @@ def test_train_e2e_accumulates_and_a_stage_rerun_by_hand_writes_no_row_twice(two
     """train_e2e accumulates as every training table does, so a night with nothing new empties nothing (a trainer
     reads @latest). `trajforge run export` or `run semantics` by hand on night 1's input writes none of its rows
     again with the same configuration (semantics wrote all 75 again before); export with another configuration
-    adds them as its own rows, and `export --added` hands over those alone."""
+    writes them again as its own rows in place of night 1's (a fine-tuning job reading @latest sees each step
+    once, with the newest weight), which the version before still holds."""
     cwd, _, _ = two_nights
     ws = workspace(cwd)
     night1, night2 = of_stage(ws, "train_e2e", "export")[:2]
@@ -162,20 +163,22 @@ def test_train_e2e_accumulates_and_a_stage_rerun_by_hand_writes_no_row_twice(two
                                                         "synth: {writer: template, reweight_smoothing: 0.2}"))
     cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}", "--config", "reweighted.yaml")
     again = of_stage(ws, "train_e2e", "export")[-1]
-    assert again.added_rows == night1.added_rows and again.total_rows == 2 * night1.added_rows
+    assert (again.added_rows, again.removed_rows, again.total_rows) == (night1.added_rows,) * 3
+    assert ws.catalog.load("train_e2e", same.snapshot_id)["run_id"].unique().to_list() == [night1.run_id]
     for flags, rows in (([], again.total_rows), (["--added"], again.added_rows)):
         out = tmp_path / f"export{len(flags)}"
         cli(trajforge_cli, cwd, "export", f"train_e2e@{again.snapshot_id}", "--format", "ms-swift", "--out", str(out),
             *flags)
         assert len((out / "train.jsonl").read_text().splitlines()) == rows
-    runs = {r["run_id"] for r in ws.catalog.load("train_e2e", again.snapshot_id).iter_rows(named=True)}
-    assert runs == {night1.run_id, again.run_id}
+    rows = ws.catalog.load("train_e2e", again.snapshot_id)
+    assert rows["run_id"].unique().to_list() == [again.run_id] and rows["step_id"].is_unique().all()
 
 
 def test_an_episode_accepted_when_judged_again_is_exported_then(two_nights, trajforge_cli):
     """A user judges night 1's episodes again and exports each verdicts version, with a configuration no earlier
     export used: first with a consensus that accepts none (the paper's: both channels must say success, and
-    neither is asked here), then with the checker's, which accepts them all. The second export writes the
+    neither is asked here), then with the checker's, which accepts them all. The first export takes the rejected
+    episodes' rows, exported by an earlier one, out of the table (they stayed before); the second writes the
     accepted episodes' rows though the first took the same episodes when they were rejected (keyed on the episode
     alone, it skipped them: 0 rows); a third writes none of them twice."""
     cwd, _, _ = two_nights
@@ -193,8 +196,12 @@ def test_an_episode_accepted_when_judged_again_is_exported_then(two_nights, traj
         cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}", "--config", config)
         return ws.catalog.rows_added("verdicts", verdicts)[0], of_stage(ws, "train_e2e", "export")[-1]
 
+    exported = ws.catalog.load("train_e2e")
     rejected, export = judge_and_export("none-accepted.yaml")
     assert rejected.height > 0 and not rejected["success"].any() and export.added_rows == 0
+    was = exported.filter(pl.col("episode_id").is_in(rejected["episode_id"].to_list())).height
+    assert was > 0 and export.removed_rows == was and export.total_rows == exported.height - was
+    assert not set(ws.catalog.load("train_e2e", export.snapshot_id)["episode_id"]) & set(rejected["episode_id"])
     accepted, export = judge_and_export("strict.yaml")
     assert accepted["success"].all() and set(accepted["episode_id"]) == set(rejected["episode_id"])
     critiques = ws.catalog.rows_added("step_critiques", export.lineage.inputs["step_critiques"])[0]
@@ -204,6 +211,7 @@ def test_an_episode_accepted_when_judged_again_is_exported_then(two_nights, traj
     good = {s for s in steps["step_id"] if labels[s] == "GOOD"}  # tau_c 0.75: GOOD steps only
     assert good and export.added_rows == len(good) and DONE_BEFORE not in export.lineage.stats
     assert set(ws.catalog.rows_added("train_e2e", export.snapshot_id)[0]["step_id"]) == good
+    assert export.removed_rows == 0
 
     verdicts = export.lineage.inputs["verdicts"]
     cli(trajforge_cli, cwd, "run", "export", "--input", f"verdicts@{verdicts}", "--config", "strict.yaml")
