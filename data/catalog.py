@@ -480,14 +480,19 @@ class Catalog:
         """The current version's data files that hold a row the withdrawal takes out.
 
         Iceberg's column bounds prune the files first; the withdrawal's column is then read from each file left
-        (the export's episode ids are random hashes, so the bounds of a file of many episodes rarely exclude it;
-        one column of one file costs about a millisecond)."""
+        (the export's episode ids are random hashes, so the bounds of a file of many episodes rarely exclude it),
+        on the catalog's threads: 0.4 ms a 5,000-row file on 2 cores, against 2.4 ms through `pq.read_table`'s
+        dataset layer one after another (2026-12-02)."""
         if tbl.current_snapshot() is None:
             return []
         wanted = pa.array(sorted(withdraw.values), pa.string())
-        return [task.file for task in tbl.scan(row_filter=In(withdraw.column, withdraw.values)).plan_files()
-                if pc.any(pc.is_in(pq.read_table(_local_path(task.file.file_path), columns=[withdraw.column])
-                                   .column(0), value_set=wanted)).as_py()]
+
+        def holds(data_file: DataFile) -> bool:
+            column = pq.ParquetFile(_local_path(data_file.file_path)).read(columns=[withdraw.column]).column(0)
+            return bool(pc.any(pc.is_in(column, value_set=wanted)).as_py())
+
+        candidates = [task.file for task in tbl.scan(row_filter=In(withdraw.column, withdraw.values)).plan_files()]
+        return [f for f, held in zip(candidates, ExecutorFactory.get_or_create().map(holds, candidates)) if held]
 
     @staticmethod
     def _rewrite_files(tbl: Table, tx: Transaction, paths: list[str], properties: dict[str, str],
