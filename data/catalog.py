@@ -100,6 +100,10 @@ class Withdrawal:
     column: str
     values: frozenset[str]
 
+    def held(self, column: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
+        """Which of a file's values in `column` the withdrawal takes out."""
+        return pc.is_in(column, value_set=pa.array(sorted(self.values), pa.string()))
+
 
 class CatalogError(Exception):
     """A catalog operation that cannot be done as asked."""
@@ -445,14 +449,14 @@ class Catalog:
                     return done
                 tx = tbl.transaction()
                 stale = self._withdrawn(tbl, withdraw) if withdraw is not None and withdraw.values else []
-                if mode == "append" and stale:
+                if mode == "overwrite":
+                    self._replace_files(tbl, tx, paths, properties, _live_data_files(tbl, tx))
+                elif stale:
                     assert withdraw is not None
                     self._rewrite_files(tbl, tx, paths, properties, stale, withdraw, self.data_dir(table) /
                                         _commit_file_stem(lineage.commit_key))
-                elif mode == "append":
-                    tx.add_files(paths, snapshot_properties=properties)
                 else:
-                    self._replace_files(tbl, tx, paths, properties)
+                    tx.add_files(paths, snapshot_properties=properties)
                 tx.commit_transaction()
                 committed = _find_commit(tbl, lineage.commit_key)
                 assert committed is not None, "the commit landed but its snapshot is missing"
@@ -460,8 +464,9 @@ class Catalog:
         raise AssertionError("unreachable")  # pragma: no cover - Retrying re-raises
 
     @staticmethod
-    def _replace_files(tbl: Table, tx: Transaction, paths: list[str], properties: dict[str, str]) -> None:
-        """Stage one OVERWRITE snapshot that removes every live data file and adds `paths`.
+    def _replace_files(tbl: Table, tx: Transaction, paths: list[str], properties: dict[str, str],
+                       removed: list[DataFile]) -> None:
+        """Stage one OVERWRITE snapshot that removes the `removed` data files and adds `paths`.
 
         pyiceberg's own overwrite() would delete and append in two snapshots (an empty
         intermediate version visible in history) and rewrite the data; this keeps one
@@ -470,7 +475,7 @@ class Catalog:
         added = _data_files(tbl, tx, paths)
         with tx.update_snapshot(snapshot_properties=properties).overwrite() as overwrite:
             overwrite.delete_by_predicate(AlwaysTrue())  # every manifest is looked at; only the files below go
-            for data_file in _live_data_files(tbl, tx):
+            for data_file in removed:
                 overwrite.delete_data_file(data_file)
             for data_file in added:
                 overwrite.append_data_file(data_file)
@@ -485,11 +490,10 @@ class Catalog:
         dataset layer one after another (2026-12-02)."""
         if tbl.current_snapshot() is None:
             return []
-        wanted = pa.array(sorted(withdraw.values), pa.string())
 
         def holds(data_file: DataFile) -> bool:
             column = pq.ParquetFile(_local_path(data_file.file_path)).read(columns=[withdraw.column]).column(0)
-            return bool(pc.any(pc.is_in(column, value_set=wanted)).as_py())
+            return bool(pc.any(withdraw.held(column)).as_py())
 
         candidates = [task.file for task in tbl.scan(row_filter=In(withdraw.column, withdraw.values)).plan_files()]
         return [f for f, held in zip(candidates, ExecutorFactory.get_or_create().map(holds, candidates)) if held]
@@ -500,24 +504,17 @@ class Catalog:
         """Stage one snapshot that adds `paths`, drops the `stale` files and adds each one's rows the withdrawal
         keeps, rewritten beside them under a name from the commit key and the file (a retried commit rewrites
         the same file)."""
-        wanted = pa.array(sorted(withdraw.values), pa.string())
         rewritten: list[str] = []
         carried = 0
         for data_file in stale:
-            data = pq.read_table(_local_path(data_file.file_path))
-            kept = data.filter(pc.invert(pc.is_in(data[withdraw.column], value_set=wanted)))
+            data = pq.ParquetFile(_local_path(data_file.file_path)).read()
+            kept = data.filter(pc.invert(withdraw.held(data[withdraw.column])))
             if kept.num_rows:
                 path = stem.with_name(f"{stem.name}-rewrite-{digest(data_file.file_path, 12)}.parquet")
                 write_parquet_atomic(kept, path)
                 rewritten.append(_file_uri(path))
                 carried += kept.num_rows
-        added = _data_files(tbl, tx, paths + rewritten)
-        with tx.update_snapshot(snapshot_properties=properties | {CARRIED_KEY: str(carried)}).overwrite() as op:
-            op.delete_by_predicate(AlwaysTrue())  # every manifest is looked at; only the files below go
-            for data_file in stale:
-                op.delete_data_file(data_file)
-            for data_file in added:
-                op.append_data_file(data_file)
+        Catalog._replace_files(tbl, tx, paths + rewritten, properties | {CARRIED_KEY: str(carried)}, stale)
 
     def commit_rows(
         self,

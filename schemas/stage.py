@@ -19,6 +19,7 @@ from typing import Any, Generic, Literal, TypeVar
 from trajforge.schemas.config import Settings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Record
+from trajforge.schemas.tables import record_model
 
 WriteMode = Literal["append", "overwrite"]
 """`append`: the table accumulates across runs; `overwrite`: each run replaces it (older versions stay readable)."""
@@ -98,3 +99,10 @@ class StageDef(Generic[W, U]):
     summary: Callable[[dict[str, int]], str | None] | None = None
     """One line for the person watching the run, from the stage's summed counts (its lineage's stats); the
     flow prints it after the commit."""
+
+    def __post_init__(self) -> None:
+        """A declaration that cannot work fails where it is made, before any stage runs."""
+        if self.replaces is not None:
+            column = self.replaces[0]
+            if missing := [t for t in self.writes if column not in record_model(t).model_fields]:
+                raise ValueError(f"stage {self.name!r} replaces rows by {column!r}, which table(s) {missing} lack")

@@ -18,7 +18,7 @@ from trajforge.data.ledger import ShardRecord
 from trajforge.llm.workspace import Workspace, code_version
 from trajforge.schemas.ids import digest
 from trajforge.schemas.stage import StageDef, config_hash
-from trajforge.schemas.tables import record_model, to_arrow
+from trajforge.schemas.tables import to_arrow
 
 Stage = StageDef[Workspace, Any]
 
@@ -66,8 +66,6 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
     withdraw = None
     if stage.replaces is not None:
         column, value = stage.replaces
-        if missing := [t for t in stage.writes if column not in record_model(t).model_fields]:
-            raise ValueError(f"stage {stage.name!r} replaces rows by {column!r}, which table(s) {missing} lack")
         withdraw = Withdrawal(column, frozenset(value(u) for u in units))
     size = stage.shard_size(ws.settings)
     shards = []
