@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -62,11 +63,24 @@ SAM_SCRIPT = textwrap.dedent("""
 """)
 
 
+def wait_for_environment(python: Path, log: Path, timeout: float = 900) -> None:
+    """.ci/run builds SAM_TEST_PYTHON's environment while the suite runs and moves it into place whole: wait for
+    its interpreter, or fail with the build's log."""
+    deadline = time.monotonic() + timeout
+    while not python.exists():
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-3000:] if log.is_file() else ""
+            pytest.fail(f"SAM_TEST_PYTHON {python} did not appear within {timeout:.0f} s; its build's log:\n{tail}")
+        time.sleep(2)
+
+
 def test_segment_anything_path_runs_on_a_random_vit_b():
     """segment-anything needs torchvision, which imports only beside torch 2.14.1 (shared/FACTS.md), not beside
     the project's torch 2.13.0; CI builds that pair in its own environment and names its python here."""
     python = os.environ.get("SAM_TEST_PYTHON")
-    if python is None:
+    if python is not None:
+        wait_for_environment(Path(python), Path(os.environ.get("SAM_TEST_LOG", os.devnull)))
+    else:
         try:
             import segment_anything  # noqa: F401
             import torchvision  # noqa: F401
