@@ -73,7 +73,8 @@ def main() -> None:
     print(f"{count} distinct screens in {len(shards)} shards from {warehouse}")
 
     stock = OcrReader()
-    stock._engine.engine = RapidOCR(params={"Global.log_level": "error"})  # rapidocr's own settings, the baseline
+    with stock._engine() as engine:  # the reader's one engine, given rapidocr's own settings: the baseline
+        engine.engine = RapidOCR(params={"Global.log_level": "error"})
     stock_s, stock_lines = read_all(stock, pngs, incremental=False)
     whole_s, whole = read_all(OcrReader(), pngs, incremental=False)
     diff_reader = OcrReader()

@@ -20,9 +20,12 @@ import functools
 import hashlib
 import io
 import json
+import os
+import queue
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
@@ -103,11 +106,19 @@ def _words(text: str, chars: tuple[OcrSpan, ...]) -> tuple[OcrSpan, ...]:
     return tuple(words)
 
 
-_RAPID_PARAMS = {"Global.use_cls": False, "Det.limit_type": "max", "Det.limit_side_len": 1280}
+_RAPID_PARAMS = {"Global.use_cls": False, "Det.limit_type": "max", "Det.limit_side_len": 1280,
+                 "EngineConfig.onnxruntime.intra_op_num_threads": 1}
 """rapidocr's settings for screens. Its defaults are for photos of documents: an angle classifier for text
 upside down (never on a screen), and the detector's input scaled so its shortest side is 736, which
 reads a 412x915 phone screen at 736x1635 (2.4 s; 0.9 s at its own size) and would blow a 300x40 changed
-region up to 5520x736. Here a screen or region is read at its own size up to 1280 a side."""
+region up to 5520x736. Here a screen or region is read at its own size up to 1280 a side.
+
+One thread an engine, and an engine per thread that reads at once (`OcrReader._engine`): onnxruntime's own
+pool of a thread per core spins while it waits, so beside other work it burns the cores it waits for. 24
+screens of a replay night on 2 cores (2026-12-02): one reader alone 23.4 s with its pool (45.3 CPU-s), 35.9 s
+on one thread; two readers at once, as a night's grounding shards or two test workers read, 54.5 s each with
+the pool and 35 s each on one thread. The readings are the same, box for box and score for score (39 screens
+compared), so the engine id and every cached reading stay valid."""
 
 
 def _rapid_id() -> str:
@@ -204,7 +215,11 @@ class OcrReader:
                  paddle_rec_dir: Path | None = None, memory: int = 256) -> None:
         self.backend = backend
         self._paddle_dirs = (paddle_det_dir, paddle_rec_dir)
-        self._engine_lock = threading.Lock()  # one ONNX session, used by one thread at a time
+        self._engines: queue.LifoQueue[_Rapid | _Paddle] = queue.LifoQueue()
+        """Engines no thread is reading with; one is made when every engine is busy, up to a core each."""
+        self._made = 0
+        self._making = threading.Lock()
+        self._memory_lock = threading.Lock()  # the LRU below is shared by the threads that read
         self._memory: OrderedDict[tuple[str, str], tuple[OcrLine, ...]] = OrderedDict()
         self._memory_size = memory
         self._db = sa.create_engine(db_url) if db_url else None
@@ -215,17 +230,28 @@ class OcrReader:
         self.region_reads = 0
         """How many of those it read only in their changed regions."""
 
-    @functools.cached_property
-    def _engine(self) -> _Rapid | _Paddle:
-        if self.backend == "paddleocr":
-            return _Paddle(*self._paddle_dirs)
-        return _Rapid()
+    @contextmanager
+    def _engine(self) -> Iterator[_Rapid | _Paddle]:
+        """An engine for this thread alone while it reads (an ONNX session is used by one thread at a time):
+        an idle one, a new one while there are fewer than cores, else the next one given back."""
+        with self._making:
+            if self._engines.empty() and self._made < (os.cpu_count() or 1):
+                self._made += 1
+                self._engines.put(_Paddle(*self._paddle_dirs) if self.backend == "paddleocr" else _Rapid())
+        engine = self._engines.get()
+        try:
+            yield engine
+        finally:
+            self._engines.put(engine)
 
-    @property
+    @functools.cached_property
     def engine_id(self) -> str:
         """Names the OCR that reads an image whole; part of the cache keys of OCR results and of OCR'd model
         calls."""
-        return _rapid_id() if self.backend == "rapidocr" else self._engine.id
+        if self.backend == "rapidocr":
+            return _rapid_id()
+        with self._engine() as engine:
+            return engine.id
 
     def series(self, incremental: bool) -> OcrSeries:
         """A reader of screens one after another (`OcrSeries`); without `incremental`, each is read whole."""
@@ -240,19 +266,26 @@ class OcrReader:
         engine_id = self.engine_id
         lines = self._known(sha, engine_id)
         if lines is None:
-            with self._engine_lock:
+            with self._engine() as engine:
                 lines = self._known(sha, engine_id)  # another thread may have read it meanwhile
                 if lines is None:
-                    lines = tuple(self._engine(pixels()))
-                    self.engine_runs += 1
+                    lines = tuple(engine(pixels()))
+                    self._count(region=False)
                     self._keep(sha, engine_id, lines)
         return lines
 
+    def _count(self, region: bool) -> None:
+        """One more real run of an engine (threads read at once: `+=` alone could lose one)."""
+        with self._memory_lock:
+            self.engine_runs += 1
+            self.region_reads += region
+
     def _known(self, sha: str, engine_id: str) -> tuple[OcrLine, ...] | None:
         """A reading in memory or, failing that, in the database (then kept in memory)."""
-        if (hit := self._memory.get((sha, engine_id))) is not None:
-            self._memory.move_to_end((sha, engine_id))
-            return hit
+        with self._memory_lock:
+            if (hit := self._memory.get((sha, engine_id))) is not None:
+                self._memory.move_to_end((sha, engine_id))
+                return hit
         if self._db is None:
             return None
         with self._db.connect() as conn:
@@ -265,9 +298,10 @@ class OcrReader:
         return lines
 
     def _remember(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
-        self._memory[(sha, engine_id)] = lines
-        if len(self._memory) > self._memory_size:
-            self._memory.popitem(last=False)
+        with self._memory_lock:
+            self._memory[(sha, engine_id)] = lines
+            if len(self._memory) > self._memory_size:
+                self._memory.popitem(last=False)
 
     def _keep(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
         """A new reading, in memory and in the database."""
@@ -286,8 +320,9 @@ class OcrReader:
         """Drop the readings of these screenshots (every engine's), as `datasets expire` removes their blobs;
         returns how many database rows went (or, with `dry_run`, would go)."""
         if not dry_run:
-            for key in [k for k in self._memory if k[0] in shas]:
-                del self._memory[key]
+            with self._memory_lock:
+                for key in [k for k in self._memory if k[0] in shas]:
+                    del self._memory[key]
         if self._db is None or not shas:
             return 0
         ordered, count = sorted(shas), 0
@@ -366,11 +401,10 @@ class OcrSeries:
             key = hashlib.sha256(f"{sha}<{base_key}".encode()).hexdigest()
             lines = reader._known(key, self.engine_id)
             if lines is None:
-                with reader._engine_lock:
+                with reader._engine() as engine:
                     read = [line for x0, y0, x1, y1 in rects
-                            for line in shifted(reader._engine(rgb[y0:y1, x0:x1]), x0, y0)]
-                    reader.engine_runs += 1
-                    reader.region_reads += 1
+                            for line in shifted(engine(rgb[y0:y1, x0:x1]), x0, y0)]
+                    reader._count(region=True)
                 lines = reading_order([*kept, *read])
                 reader._keep(key, self.engine_id, lines)
         self._bases.append((rgb, lines, key))
