@@ -219,7 +219,7 @@ class OcrReader:
         """Engines no thread is reading with; one is made when every engine is busy, up to a core each."""
         self._made = 0
         self._making = threading.Lock()
-        self._memory_lock = threading.Lock()  # the LRU below is shared by the threads that read
+        self._lock = threading.Lock()  # the LRU below and the counters, shared by the threads that read
         self._memory: OrderedDict[tuple[str, str], tuple[OcrLine, ...]] = OrderedDict()
         self._memory_size = memory
         self._db = sa.create_engine(db_url) if db_url else None
@@ -276,13 +276,13 @@ class OcrReader:
 
     def _count(self, region: bool) -> None:
         """One more real run of an engine (threads read at once: `+=` alone could lose one)."""
-        with self._memory_lock:
+        with self._lock:
             self.engine_runs += 1
             self.region_reads += region
 
     def _known(self, sha: str, engine_id: str) -> tuple[OcrLine, ...] | None:
         """A reading in memory or, failing that, in the database (then kept in memory)."""
-        with self._memory_lock:
+        with self._lock:
             if (hit := self._memory.get((sha, engine_id))) is not None:
                 self._memory.move_to_end((sha, engine_id))
                 return hit
@@ -298,7 +298,7 @@ class OcrReader:
         return lines
 
     def _remember(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
-        with self._memory_lock:
+        with self._lock:
             self._memory[(sha, engine_id)] = lines
             if len(self._memory) > self._memory_size:
                 self._memory.popitem(last=False)
@@ -320,7 +320,7 @@ class OcrReader:
         """Drop the readings of these screenshots (every engine's), as `datasets expire` removes their blobs;
         returns how many database rows went (or, with `dry_run`, would go)."""
         if not dry_run:
-            with self._memory_lock:
+            with self._lock:
                 for key in [k for k in self._memory if k[0] in shas]:
                     del self._memory[key]
         if self._db is None or not shas:

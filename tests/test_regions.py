@@ -7,11 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from conftest import require
+from conftest import require, wait_for
 from PIL import Image, ImageDraw
 
 from trajforge.synth.regions import contour_regions, iou
@@ -66,12 +65,11 @@ SAM_SCRIPT = textwrap.dedent("""
 def wait_for_environment(python: Path, log: Path, timeout: float = 900) -> None:
     """.ci/run builds SAM_TEST_PYTHON's environment while the suite runs and moves it into place whole: wait for
     its interpreter, or fail with the build's log."""
-    deadline = time.monotonic() + timeout
-    while not python.exists():
-        if time.monotonic() > deadline:
-            tail = log.read_text()[-3000:] if log.is_file() else ""
-            pytest.fail(f"SAM_TEST_PYTHON {python} did not appear within {timeout:.0f} s; its build's log:\n{tail}")
-        time.sleep(2)
+    try:
+        wait_for(python.exists, timeout, f"SAM_TEST_PYTHON {python}")
+    except AssertionError as exc:
+        tail = log.read_text()[-3000:] if log.is_file() else ""
+        pytest.fail(f"{exc}; its build's log:\n{tail}")
 
 
 def test_segment_anything_path_runs_on_a_random_vit_b():
