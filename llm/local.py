@@ -129,6 +129,7 @@ class LocalModel:
         eos = self.model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos])
         self._lock = threading.Lock()
+        self._held: list[int] = []  # the tokens whose keys and values the kept cache holds (see `_head_start`)
 
     def _text_inputs(self, messages: list[Message]) -> dict[str, Any]:
         if any(m.images for m in messages):
@@ -222,11 +223,12 @@ class LocalModel:
         grammar leaves a choice, so its draws for a seed differ from `generate`'s.
         """
         import torch
-        from transformers import DynamicCache
 
         matcher = _matcher(self._grammar_tokenizer, grammar)
-        cache = DynamicCache(config=self.model.config)
-        feed, new = input_ids, []
+        prompt: list[int] = input_ids[0].tolist()
+        cache, known = self._head_start(prompt)
+        self._held = []  # until the passes are done: one stopped half-way leaves its layers at unequal lengths
+        feed, new = input_ids[:, known:], []
         while len(new) < sampling.max_tokens:
             logits = self.model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
             logits = logits.masked_fill(~_allowed(matcher, logits.shape[-1]), float("-inf"))
@@ -240,7 +242,35 @@ class LocalModel:
             new += forced
             feed = torch.tensor([[token, *forced]])
         _check(matcher)
+        if cache is self._kept_cache:
+            self._held = (prompt + new)[: cache.get_seq_length()]  # the answer's tokens were fed in order
         return new
+
+    @functools.cached_property
+    def _kept_cache(self) -> Any | None:
+        from trajforge.llm.kv_cache import kept_cache
+
+        return kept_cache(self.model.config)
+
+    def _head_start(self, prompt: list[int]) -> tuple[Any, int]:
+        """The cache for `prompt`, holding the keys and values it shares with the last answer, and their count.
+
+        Successive prompts of a night open alike: the policy's system message and tools (about 600 tokens of
+        a 1-2k prompt), an episode's task and its history so far. A causal model's keys and values for a
+        prefix do not depend on what follows it, so the shared part is not computed again (on 2 cores the
+        embedded model reads a 1.9k-token prompt in 1.9 s, its last 1.3k after 600 known in 1.55 s).
+        """
+        from transformers import DynamicCache
+
+        from trajforge.llm.kv_cache import shared_prefix
+
+        cache = self._kept_cache
+        if cache is None:
+            return DynamicCache(config=self.model.config), 0
+        known = shared_prefix(self._held, prompt)
+        for layer in cache.layers:
+            layer.keep(known)
+        return cache, known
 
     def _stopped(self, new: list[int], stop: tuple[str, ...]) -> bool:
         return bool(stop) and any(s in self.tokenizer.decode(new, skip_special_tokens=True) for s in stop)

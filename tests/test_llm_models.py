@@ -38,7 +38,7 @@ from trajforge.envs.browser import Observation, Target
 from trajforge.envs.kinds import kind_for
 from trajforge.guidance.distill import Outcome
 from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
-from trajforge.llm.local import SMOLLM2_ID, load, missing_models, smollm2_folder
+from trajforge.llm.local import SMOLLM2_ID, LocalModel, load, missing_models, smollm2_folder
 from trajforge.llm.messages import TextPart
 from trajforge.llm.ocr import OcrReader
 from trajforge.llm.structured import Constraint, ThinkAnswer
@@ -399,11 +399,11 @@ class YesNo(BaseModel):
     answer: Literal["yes", "no"]
 
 
-def policy_prompt() -> Any:
+def policy_prompt(task: str = "Open the inbox and read the newest mail") -> Any:
     """GUI-Owl's step prompt for a mobile screen, without a screenshot (a text model needs none here)."""
     return load_prompt("gui_owl_e2e").render(
         platform="mobile", width=412, height=732, tools=tool_spec("mobile"), function="mobile_use",
-        task="Open the inbox and read the newest mail", guidance=None, history=[], screenshots=[])
+        task=task, guidance=None, history=[], screenshots=[])
 
 
 def assert_valid_call(result: Any) -> None:
@@ -434,6 +434,30 @@ def test_forced_tokens_fed_in_one_pass_give_generates_greedy_answer_and_a_seeded
     drawn = Sampling(temperature=1.0, max_tokens=60, seed=7)
     assert model.generate(list(rendered.messages), drawn, grammar).text == \
         model.generate(list(rendered.messages), drawn, grammar).text
+
+
+def test_a_prompt_that_opens_like_the_last_is_read_from_where_they_part(embedded):
+    grammar = Constraint("tool_call", call_schema("mobile", 412, 732)).grammar
+    greedy = Sampling(temperature=0.0, max_tokens=40)
+    first = list(policy_prompt("Open the inbox and read the newest mail").messages)
+    second = list(policy_prompt("Delete the draft named Budget").messages)
+    fresh = LocalModel(smollm2_folder(LocalModelSettings().cache_dir), SMOLLM2_ID)
+    expected = fresh.generate(second, greedy, grammar)
+
+    warm = load(LocalModelSettings())
+    warm.generate(first, greedy, grammar)
+    fed: list[int] = []
+    hook = warm.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        answer = warm.generate(second, greedy, grammar)
+    finally:
+        hook.remove()
+    assert answer.text == expected.text and answer.tokens_in == expected.tokens_in
+    a, b = (warm._text_inputs(m)["input_ids"][0].tolist() for m in (first, second))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared > 500  # the system message and the tools
+    assert fed[0] == len(b) - shared  # the prompt's first pass read only where it parts from the last
 
 
 def test_a_draw_stays_within_the_top_p_nucleus():
