@@ -47,8 +47,11 @@ class GrowingLayer(DynamicLayer):
 
 
 def _grown(buffer: torch.Tensor, used: int, needed: int) -> torch.Tensor:
-    """A buffer of at least twice the room (so a long answer reallocates a few times, not at every token)."""
-    bigger = buffer.new_empty((*buffer.shape[:-2], max(needed, 2 * buffer.shape[-2]), buffer.shape[-1]))
+    """A larger buffer holding the first `used` positions: room for a prompt's answer besides (the prompts'
+    max_tokens are 200 or less), and a quarter more than before, so a long answer grows it now and then, not
+    at every token."""
+    room = max(needed + 256, buffer.shape[-2] * 5 // 4)
+    bigger = buffer.new_empty((*buffer.shape[:-2], room, buffer.shape[-1]))
     bigger[..., :used, :] = buffer[..., :used, :]
     return bigger
 

@@ -460,6 +460,26 @@ def test_a_prompt_that_opens_like_the_last_is_read_from_where_they_part(embedded
     assert fed[0] == len(b) - shared  # the prompt's first pass read only where it parts from the last
 
 
+def test_the_kept_cache_holds_what_transformers_own_holds_as_it_grows_and_after_a_kept_prefix():
+    reason = missing_models(embedded=False)
+    require(reason is None, str(reason))
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    from trajforge.llm.kv_cache import GrowingLayer
+
+    ours, theirs = GrowingLayer(), DynamicLayer()
+    pieces = [torch.randn(1, 3, n, 4) for n in (300, 1, 1, 400, 2)]  # a prompt, two tokens, a longer prompt's tail
+    for piece in pieces:
+        held, expected = ours.update(piece, -piece), theirs.update(piece, -piece)
+        assert all(torch.equal(a, b) for a, b in zip(held, expected, strict=True))
+    ours.keep(250)  # the next prompt shares 250 positions; what follows them is written over
+    tail = torch.randn(1, 3, 5, 4)
+    keys, values = ours.update(tail, -tail)
+    expected = torch.cat([pieces[0][..., :250, :], tail], dim=-2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected) and ours.get_seq_length() == 255
+
+
 def test_a_draw_stays_within_the_top_p_nucleus():
     import torch
 
