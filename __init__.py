@@ -9,8 +9,12 @@ so an install adds one import name and collides with no other package.
 
 import os
 
-# Torch's OpenMP threads spin while they wait for each other, on the cores the rest of a night (browsers, OCR,
-# a second test worker) needs. A 2.7k-token prompt with 60 answer tokens of the embedded model on 2 cores:
-# 11.3 s alone and 40-48 s beside two busy processes as OpenMP runs by default; 12.2 s and 24.2 s with passive
-# waiting, which is better than one thread beside them (26 s). Set before torch loads: OpenMP reads it once.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Torch's OpenMP threads (GNU libgomp) spin 300,000 times while they wait for each other, on the cores the rest of
+# a night needs (browsers, OCR, a second test worker); waiting passively gives the cores back but slows the model
+# alone, whose every decoding pass wakes its threads. 4 constrained policy answers of the embedded model on 2
+# cores, seconds an answer alone / beside two busy processes (2026-12-03): as libgomp runs by default 4.61 / 18.25,
+# OMP_WAIT_POLICY=PASSIVE 5.89 / 9.61, ACTIVE 4.39 / 21.06, 20,000 spins 4.61-4.65 / 11.0-11.6. Set before torch
+# loads (libgomp reads it once). Your own GOMP_SPINCOUNT is kept, and so is your OMP_WAIT_POLICY (a spin count
+# would override it).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
