@@ -172,8 +172,7 @@ class MiniWoBEnv:
         if self.restarts(url):
             utterance = self.env.restart(url, f"async () => {{ {_END_AND_FORGET} {start} }}")
         else:
-            self.env.reset(session_id, url, app_protocol=False)
-            utterance = self.env.page.evaluate(f"async () => {{ {start} }}")
+            utterance = self.env.reset(session_id, url, app_protocol=False, script=f"async () => {{ {start} }}")
         # The natural-language variants (email-inbox-nl-turk, ...) wrap it with the answer's fields outside
         # their 'test' data mode: {"utterance": ..., "fields": ...}; the fields are the solution, not the task.
         return utterance["utterance"] if isinstance(utterance, dict) else utterance
