@@ -188,10 +188,10 @@ class LocalModel:
         with self._lock, torch.inference_mode():
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-            if grammar is not None and not self.vision:
-                new = self._constrained(inputs["input_ids"], sampling, grammar)
-            else:
+            if self.vision:
                 new = self._generate(inputs, sampling, grammar)
+            else:
+                new = self._decode(inputs["input_ids"], sampling, grammar)
         finished = bool(new) and new[-1] in self._eos
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in sampling.stop) if i >= 0), default=-1)
@@ -201,7 +201,7 @@ class LocalModel:
         return Completion(text, reason, tokens_in=int(inputs["input_ids"].shape[1]), tokens_out=len(new))
 
     def _generate(self, inputs: dict[str, Any], sampling: Sampling, grammar: str | None) -> list[int]:
-        """transformers' own `generate` (free answers, and a vision model's, whose positions it keeps)."""
+        """transformers' own `generate`, for a vision model's answers (whose image positions it keeps)."""
         options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
         if grammar is not None:
             options["logits_processor"] = [_GrammarMask(self._grammar_tokenizer, grammar, inputs["input_ids"].shape[1])]
@@ -213,35 +213,44 @@ class LocalModel:
         new: list[int] = output[0, inputs["input_ids"].shape[1]:].tolist()
         return new
 
-    def _constrained(self, input_ids: Any, sampling: Sampling, grammar: str) -> list[int]:
-        """A text model's answer held to `grammar`, with the tokens the grammar forces fed in one forward pass.
+    def _decode(self, input_ids: Any, sampling: Sampling, grammar: str | None) -> list[int]:
+        """A text model's answer, read from the kept cache (`_head_start`), held to `grammar` when one is given,
+        with the tokens the grammar forces fed in one forward pass.
 
         A structured answer is largely fixed text (`{"name": "mobile_use", "arguments": {"action": "` and the
         like, about a third of the policy's tokens): `generate` would spend a forward pass on each, while
-        the grammar already knows them (llguidance's fast-forward tokens). Greedy answers read as
-        `generate`'s did (the same text on the policy prompts tried); a sampled answer draws only where the
-        grammar leaves a choice, so its draws for a seed differ from `generate`'s.
+        the grammar already knows them (llguidance's fast-forward tokens). Free answers (captions, reasoning)
+        take the same loop for the kept cache alone. Greedy answers read as `generate`'s did (the same text
+        on the prompts tried); a sampled answer draws as an OpenAI endpoint does (temperature, then top-p,
+        no top-k) and, held to a grammar, only where the grammar leaves a choice, so its draws for a seed
+        differ from `generate`'s.
         """
         import torch
 
-        matcher = _matcher(self._grammar_tokenizer, grammar)
+        matcher = _matcher(self._grammar_tokenizer, grammar) if grammar is not None else None
         prompt: list[int] = input_ids[0].tolist()
         cache, known = self._head_start(prompt)
         self._held = []  # until the passes are done: one stopped half-way leaves its layers at unequal lengths
         feed, new = input_ids[:, known:], []
         while len(new) < sampling.max_tokens:
             logits = self.model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-            logits = logits.masked_fill(~_allowed(matcher, logits.shape[-1]), float("-inf"))
+            if matcher is not None:
+                logits = logits.masked_fill(~_allowed(matcher, logits.shape[-1]), float("-inf"))
             token = _draw(logits, sampling)
-            matcher.consume_token(token)
             new.append(token)
-            if token in self._eos or matcher.is_stopped() or self._stopped(new, sampling.stop):
+            if matcher is not None:
+                matcher.consume_token(token)
+            if token in self._eos or (matcher is not None and matcher.is_stopped()) \
+                    or self._stopped(new, sampling.stop):
                 break
-            forced = matcher.compute_ff_tokens()[: max(sampling.max_tokens - len(new), 0)]
-            matcher.consume_tokens(forced)
-            new += forced
+            forced: list[int] = []
+            if matcher is not None:
+                forced = matcher.compute_ff_tokens()[: max(sampling.max_tokens - len(new), 0)]
+                matcher.consume_tokens(forced)
+                new += forced
             feed = torch.tensor([[token, *forced]])
-        _check(matcher)
+        if matcher is not None:
+            _check(matcher)
         if cache is self._kept_cache:
             self._held = (prompt + new)[: cache.get_seq_length()]  # the answer's tokens were fed in order
         return new

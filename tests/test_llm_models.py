@@ -460,6 +460,29 @@ def test_a_prompt_that_opens_like_the_last_is_read_from_where_they_part(embedded
     assert fed[0] == len(b) - shared  # the prompt's first pass read only where it parts from the last
 
 
+def test_a_free_answer_reads_as_generates_and_from_the_kept_cache(embedded):
+    """Free answers (captions, validations, reasoning) take the constrained answers' loop for its kept cache."""
+    greedy = Sampling(temperature=0.0, max_tokens=30)
+    first = list(policy_prompt("Open the inbox and read the newest mail").messages)
+    second = list(policy_prompt("Delete the draft named Budget").messages)
+    model = load(LocalModelSettings())
+    model.generate(first, greedy)
+    fed: list[int] = []
+    hook = model.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        answer = model.generate(second, greedy)
+    finally:
+        hook.remove()
+    theirs = model._generate(model._text_inputs(second), greedy, None)  # transformers' generate, a fresh cache
+    assert answer.text == model.tokenizer.decode(theirs, skip_special_tokens=True) and answer.text
+    assert answer.tokens_out == len(theirs)
+    a, b = (model._text_inputs(m)["input_ids"][0].tolist() for m in (first, second))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert fed[0] == len(b) - shared  # the first pass read only where the prompt parts from the last
+    assert len(fed) == answer.tokens_out  # then one pass a token: nothing is forced without a grammar
+
+
 def test_the_kept_cache_holds_what_transformers_own_holds_as_it_grows_and_after_a_kept_prefix():
     reason = missing_models(embedded=False)
     require(reason is None, str(reason))
