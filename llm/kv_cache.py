@@ -1,4 +1,4 @@
-"""A key-value cache that `LocalModel` keeps from one constrained answer to the next.
+"""A key-value cache that `LocalModel` keeps from one answer of a text model to the next.
 
 Imported only where transformers is installed (the in-process models' extra), by `llm.local`.
 """
