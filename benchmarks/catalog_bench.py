@@ -7,9 +7,11 @@ three ways, as the export commits it to a table that already holds the first ver
 files: plain; withdrawing its own episodes where no file holds them but every file's
 column bounds admit them (a night's new episodes: each file's column is read); and
 withdrawing 50 episodes that one file holds (an episode exported again: that file is
-rewritten without them). Prints, never asserts.
+rewritten without them). Last, a commit to a table with a long history (`--history`, a year of nights
+by default: a commit's metadata work grows with the versions kept, and tagged nightly versions stay),
+through the catalog against pyiceberg's own `add_files` in the same process. Prints, never asserts.
 
-    python benchmarks/catalog_bench.py [--rows 100000] [--shards 20] [--uri postgresql+psycopg://...]
+    python benchmarks/catalog_bench.py [--rows 100000] [--shards 20] [--history 365] [--uri postgresql+psycopg://...]
 
 Targets: commit path >= 20,000 rows/s; load of 100k rows < 1.5 s.
 """
@@ -109,10 +111,55 @@ def _appends(catalog: Catalog, shards: list[pa.Table], lineage: Lineage) -> list
     return timed
 
 
+def _deep_history(root: Path, uri: str | None, shard: pa.Table, versions: int,
+                  lineage: Lineage) -> list[tuple[str, float]]:
+    """One more 100-row shard committed to a new table, then to the same table after `versions` such commits,
+    through the catalog and through pyiceberg's own transaction (medians of 5, the two interleaved)."""
+    small = shard.slice(0, 100)
+    catalog = Catalog(root / "history", uri=uri, name=f"bench-history-{time.time_ns()}")
+    try:
+        folder = catalog.data_dir("steps")
+
+        def write(n: int) -> tuple[Path, Lineage]:
+            path = folder / f"night-{n:04d}.parquet"
+            pq.write_table(small, path, compression="zstd")
+            return path, lineage.model_copy(update={"commit_key": f"night-{n}:steps"})
+
+        def ours(n: int) -> float:
+            path, night = write(n)
+            t = time.perf_counter()
+            catalog.commit_files("steps", [path], night)
+            return time.perf_counter() - t
+
+        def pyicebergs(n: int) -> float:
+            path, night = write(n)
+            t = time.perf_counter()
+            tx = catalog.table("steps").refresh().transaction()
+            tx.add_files([path.as_uri()], snapshot_properties=night.snapshot_properties())
+            tx.commit_transaction()
+            return time.perf_counter() - t
+
+        first = ours(0)
+        for n in range(1, versions):
+            ours(n)
+        timed: dict[str, list[float]] = {"catalog": [], "pyiceberg's own add_files": []}
+        for n in range(versions, versions + 10, 2):
+            timed["catalog"].append(ours(n))
+            timed["pyiceberg's own add_files"].append(pyicebergs(n + 1))
+    finally:
+        if "steps" in catalog.tables():
+            catalog.iceberg.drop_table((catalog.namespace, "steps"))
+        catalog.iceberg.drop_namespace(catalog.namespace)
+        catalog.close()
+    return [("to a new table, catalog", first)] + [
+        (f"after {versions} versions, {name}", sorted(times)[len(times) // 2]) for name, times in timed.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--shards", type=int, default=20)
+    parser.add_argument("--history", type=int, default=365, help="Versions before the last commit (0: skip it).")
     parser.add_argument("--uri", default=None, help="SQLAlchemy URL of the catalog (default: SQLite in the warehouse)")
     args = parser.parse_args()
 
@@ -172,6 +219,7 @@ def main() -> None:
                 catalog.iceberg.drop_table((catalog.namespace, "steps"))
             catalog.iceberg.drop_namespace(catalog.namespace)
             catalog.close()
+        history = _deep_history(root, args.uri, shards[0], args.history, lineage) if args.history else []
 
     t_catalog = t_shards + t_commit
     n = args.rows
@@ -196,6 +244,11 @@ def main() -> None:
     print(f"{'commit of one more shard':<60} {'seconds':>8} {'x plain':>8}")
     for label, seconds in appends:
         print(f"{label:<60} {seconds:>8.3f} {seconds / appends[0][1]:>8.2f}")
+    if history:
+        print()
+        print(f"{'commit of a 100-row shard':<60} {'seconds':>8} {'x new':>8}")
+        for label, seconds in history:
+            print(f"{label:<60} {seconds:>8.3f} {seconds / history[0][1]:>8.2f}")
     print()
     print(f"catalog path / baseline time: {t_catalog / t_baseline:.2f}x   "
           f"(target: >= 20,000 rows/s -> {'met' if n / t_catalog >= 20_000 else 'NOT met'})")

@@ -24,6 +24,7 @@ from trajforge.data.catalog import (
     Lineage,
     UnknownRef,
     Withdrawal,
+    _Transaction,
 )
 from trajforge.schemas.records import Step
 from trajforge.schemas.tables import RowError, arrow_schema, to_arrow
@@ -120,6 +121,24 @@ def test_commit_and_load(catalog: Catalog) -> None:
     assert catalog.resolve("queries") == ("queries", snapshot)
     assert catalog.resolve("queries@latest") == ("queries", snapshot)
     assert catalog.tables() == ["queries"]
+
+
+def test_a_commits_transaction_builds_its_metadata_once_per_state(catalog: Catalog) -> None:
+    """pyiceberg rebuilds a transaction's metadata (a deep copy of every version) on each read; the catalog's keeps
+    it until an update is staged or the table is refreshed, and what it stages still lands."""
+    catalog.commit_rows("queries", [query_row("q1")], lineage("run-1:query_gen:queries"))
+    tbl = catalog.table("queries")
+    tx = _Transaction(tbl)
+    first = tx.table_metadata
+    assert tx.table_metadata is first
+    tx.set_properties(note="staged")
+    staged = tx.table_metadata
+    assert staged is not first and staged.properties["note"] == "staged"
+    tbl.refresh()
+    assert tx.table_metadata is not staged and tx.table_metadata.properties["note"] == "staged"
+    tx.commit_transaction()
+    assert catalog.table("queries").refresh().properties["note"] == "staged"
+    assert catalog.load("queries")["query_id"].to_list() == ["q1"]
 
 
 def test_commit_files_from_shards(catalog: Catalog) -> None:
