@@ -259,9 +259,9 @@ class _Transaction(Transaction):
     ending in a deep copy of every version, and one append reads it about 20 times. A year of nights keeps over
     365 versions of a table (the tagged ones stay): a 100-row commit after 365 took 0.59-0.62 s through
     pyiceberg's own transaction and 0.20-0.33 s through this one, against 0.02-0.03 s to a new table
-    (catalog_bench's history rows, two runs, 2026-12-03). Staging an update rebinds `_updates` and a refresh rebinds the table's `metadata`, so the state
-    is the identity of the two (apache/iceberg-python#2673; the caches proposed there, #3302 and #3784, are in
-    no release up to 0.12.0)."""
+    (catalog_bench's history rows, two runs, 2026-12-03). Staging an update rebinds `_updates` and a refresh
+    rebinds the table's `metadata`, so the state is the identity of the two (apache/iceberg-python#2673; the
+    caches proposed there, #3302 and #3784, are in no release up to 0.12.0)."""
 
     _state: tuple[TableMetadata, tuple[Any, ...], TableMetadata] | None = None
 
