@@ -111,6 +111,14 @@ def _appends(catalog: Catalog, shards: list[pa.Table], lineage: Lineage) -> list
     return timed
 
 
+def _drop(catalog: Catalog) -> None:
+    """Leave nothing of a bench catalog behind (a shared PostgreSQL keeps its tables otherwise)."""
+    if "steps" in catalog.tables():
+        catalog.iceberg.drop_table((catalog.namespace, "steps"))
+    catalog.iceberg.drop_namespace(catalog.namespace)
+    catalog.close()
+
+
 def _deep_history(root: Path, uri: str | None, shard: pa.Table, versions: int,
                   lineage: Lineage) -> list[tuple[str, float]]:
     """One more 100-row shard committed to a new table, then to the same table after `versions` such commits,
@@ -147,10 +155,7 @@ def _deep_history(root: Path, uri: str | None, shard: pa.Table, versions: int,
             timed["catalog"].append(ours(n))
             timed["pyiceberg's own add_files"].append(pyicebergs(n + 1))
     finally:
-        if "steps" in catalog.tables():
-            catalog.iceberg.drop_table((catalog.namespace, "steps"))
-        catalog.iceberg.drop_namespace(catalog.namespace)
-        catalog.close()
+        _drop(catalog)
     return [("to a new table, catalog", first)] + [
         (f"after {versions} versions, {name}", sorted(times)[len(times) // 2]) for name, times in timed.items()]
 
@@ -215,10 +220,7 @@ def main() -> None:
             on_disk = sum(p.stat().st_size for p in paths) / args.rows
             appends = _appends(catalog, shards, lineage)
         finally:
-            if "steps" in catalog.tables():  # leave nothing behind in a shared PostgreSQL
-                catalog.iceberg.drop_table((catalog.namespace, "steps"))
-            catalog.iceberg.drop_namespace(catalog.namespace)
-            catalog.close()
+            _drop(catalog)
         history = _deep_history(root, args.uri, shards[0], args.history, lineage) if args.history else []
 
     t_catalog = t_shards + t_commit
