@@ -636,8 +636,8 @@ class Catalog:
             except (pa.ArrowException, OSError) as bad:
                 why = str(bad).splitlines()[0].replace(f"Could not open Parquet input source '{path}': ", "")
                 return CorruptData(
-                    f"{name}@{snapshot_id}: data file {path} cannot be read ({why}); restore it "
-                    f"from a backup, or point the table's tag at an earlier version (`trajforge datasets history {name}`)")
+                    f"{name}@{snapshot_id}: data file {path} cannot be read ({why}); restore it from a backup, "
+                    f"or point the table's tag at an earlier version (`trajforge datasets history {name}`)")
         return exc
 
     def history(self, table: str) -> list[SnapshotInfo]:
