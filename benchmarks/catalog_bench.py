@@ -9,7 +9,9 @@ column bounds admit them (a night's new episodes: each file's column is read); a
 withdrawing 50 episodes that one file holds (an episode exported again: that file is
 rewritten without them). Last, a commit to a table with a long history (`--history`, a year of nights
 by default: a commit's metadata work grows with the versions kept, and tagged nightly versions stay),
-through the catalog against pyiceberg's own `add_files` in the same process. Prints, never asserts.
+through the catalog against pyiceberg's own `add_files` in the same process; then retention's expiry of
+100 of those versions through the catalog, and of the next 100 through pyiceberg's own `expire_snapshots` (on
+the 100 fewer versions left, which favours it). Prints, never asserts.
 
     python benchmarks/catalog_bench.py [--rows 100000] [--shards 20] [--history 365] [--uri postgresql+psycopg://...]
 
@@ -120,9 +122,10 @@ def _drop(catalog: Catalog) -> None:
 
 
 def _deep_history(root: Path, uri: str | None, shard: pa.Table, versions: int,
-                  lineage: Lineage) -> list[tuple[str, float]]:
+                  lineage: Lineage) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """One more 100-row shard committed to a new table, then to the same table after `versions` such commits,
-    through the catalog and through pyiceberg's own transaction (medians of 5, the two interleaved)."""
+    through the catalog and through pyiceberg's own transaction (medians of 5, the two interleaved); then the
+    oldest 100 versions expired through the catalog, and the next 100 through pyiceberg's own."""
     small = shard.slice(0, 100)
     catalog = Catalog(root / "history", uri=uri, name=f"bench-history-{time.time_ns()}")
     try:
@@ -154,10 +157,22 @@ def _deep_history(root: Path, uri: str | None, shard: pa.Table, versions: int,
         for n in range(versions, versions + 10, 2):
             timed["catalog"].append(ours(n))
             timed["pyiceberg's own add_files"].append(pyicebergs(n + 1))
+        expiry = []
+        for name in ("catalog", "pyiceberg's own expire_snapshots"):
+            tbl = catalog.table("steps").refresh()
+            held = len(tbl.metadata.snapshots)
+            oldest = [s.snapshot_id for s in tbl.metadata.snapshots][:100]
+            t = time.perf_counter()
+            if name == "catalog":
+                catalog.expire_versions("steps", oldest)
+            else:
+                tbl.maintenance.expire_snapshots().by_ids(oldest).commit()
+            expiry.append((f"{len(oldest)} of {held} versions, {name}", time.perf_counter() - t))
     finally:
         _drop(catalog)
-    return [("to a new table, catalog", first)] + [
+    commits = [("to a new table, catalog", first)] + [
         (f"after {versions} versions, {name}", sorted(times)[len(times) // 2]) for name, times in timed.items()]
+    return commits, expiry
 
 
 def main() -> None:
@@ -221,7 +236,7 @@ def main() -> None:
             appends = _appends(catalog, shards, lineage)
         finally:
             _drop(catalog)
-        history = _deep_history(root, args.uri, shards[0], args.history, lineage) if args.history else []
+        history, expiry = _deep_history(root, args.uri, shards[0], args.history, lineage) if args.history else ([], [])
 
     t_catalog = t_shards + t_commit
     n = args.rows
@@ -251,6 +266,10 @@ def main() -> None:
         print(f"{'commit of a 100-row shard':<60} {'seconds':>8} {'x new':>8}")
         for label, seconds in history:
             print(f"{label:<60} {seconds:>8.3f} {seconds / history[0][1]:>8.2f}")
+        print()
+        print(f"{'expiry of the oldest versions':<60} {'seconds':>8} {'x catalog':>9}")
+        for label, seconds in expiry:
+            print(f"{label:<60} {seconds:>8.3f} {seconds / expiry[0][1]:>9.2f}")
     print()
     print(f"catalog path / baseline time: {t_catalog / t_baseline:.2f}x   "
           f"(target: >= 20,000 rows/s -> {'met' if n / t_catalog >= 20_000 else 'NOT met'})")

@@ -139,7 +139,7 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
         if expired:
             out.snapshots[name] = expired
             if not dry_run:
-                tbl.maintenance.expire_snapshots().by_ids(expired).commit()
+                catalog.expire_versions(name, expired)
         out.kept_snapshots[name] = len(keep[name])
         for path in sorted(catalog.data_dir(name).glob("*.parquet")):
             if path not in live and path not in pending and _old(path, cutoff):

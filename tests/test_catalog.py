@@ -198,6 +198,22 @@ def test_tag_then_resolve(catalog: Catalog) -> None:
         catalog.tag("queries", first, "12345")
 
 
+def test_expire_versions_removes_those_versions_and_refuses_a_tagged_one(catalog: Catalog) -> None:
+    first = catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    second = catalog.commit_rows("queries", [query_row("q2")], lineage("qg-2"))
+    third = catalog.commit_rows("queries", [query_row("q3")], lineage("qg-3"))
+    catalog.tag("queries", first, "nightly-2026-11-22")
+
+    catalog.expire_versions("queries", [second])
+
+    assert [v.snapshot_id for v in catalog.history("queries")] == [first, third]
+    assert catalog.load("queries", "nightly-2026-11-22")["query_id"].to_list() == ["q1"]
+    with pytest.raises(ValueError, match="protected"):
+        catalog.expire_versions("queries", [first])
+    assert [v.snapshot_id for v in catalog.history("queries")] == [first, third]
+    assert sorted(catalog.load("queries")["query_id"]) == ["q1", "q2", "q3"]
+
+
 def test_resolve_errors_name_the_ref(catalog: Catalog) -> None:
     with pytest.raises(UnknownRef, match="'nosuch@3'.*unknown table 'nosuch'"):
         catalog.resolve("nosuch@3")
