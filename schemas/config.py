@@ -535,7 +535,9 @@ class PalUISettings(_Section):
         "8.6K; a budget here because each pass costs model calls: a caption and a validation per earlier step, cached, "
         "then one or two teacher calls). 8, not fewer: the embedded teacher matches one trusted step in four to "
         "eight (2 and 1 of 8 on two default nights of 2026-12-01), so with 2 a default night often had no "
-        "pal_ui_sft row (0 of 2 on the first); the stage took 3:02 with 8 against 0:48 with 2.")
+        "pal_ui_sft row (0 of 2 on the first); the stage took 3:02 with 8 against 0:48 with 2. The 8 go to one "
+        "episode of every query before a second: 2026-12-03's night tried five queries (three on both viewports) "
+        "and matched none; spread, the same steps matched 1 of 8.")
     min_step: int = Field(
         default=1, ge=0, description="A step needs this many earlier steps to be a sample (step 0 has nothing to look "
         "back at); not in the paper.")

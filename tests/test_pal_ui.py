@@ -7,6 +7,7 @@ scripted at the edge, whose answers depend on the prompt, as a real model's do.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -249,6 +250,18 @@ def test_a_step_whose_memory_is_incomplete_asks_no_teacher_and_says_which_part(r
     assert json.loads(row.memory_json)[0]["caption_error"] == "empty answer"
     assert {n for n, _ in model.asked} == {"caption", "validate"}
     assert out.dropped == {"teacher pass rejected: memory incomplete": 1}
+
+
+def test_the_budget_tries_one_episode_of_every_query_before_a_second(recorded, model):
+    """A query's replays on the two viewports ask the teacher nearly the same question: two steps of budget go to
+    two queries, even where one query's episodes come first by id."""
+    ws, run, units = fresh(recorded, model, "spread", steps_per_shard=2)
+    longer = sorted({u.query_id for u in units if len(u.steps) >= 2})
+    assert len(longer) >= 2 and all(sum(u.query_id == q for u in units) == 2 for q in longer)
+    # the first query's episodes renamed to sort before every other: by episode alone both would be tried
+    first = [dataclasses.replace(u, episode_id=f"0-{u.viewport}") if u.query_id == longer[0] else u for u in units]
+    out = pal_ui.teach(first, ws, run, "")
+    assert len({row.query_id for row in out.rows["pal_ui_teacher"]}) == 2
 
 
 def hand_made(recorded, model, retrieved: list[int | None]) -> tuple[Workspace, list[PalUITeacher]]:
