@@ -10,6 +10,7 @@ per-query history that decides which queries are hard.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,9 +151,13 @@ def load_hard_queries(ws: Workspace, snapshot: int | None) -> Inputs[HardQuery]:
     for row in history.select("query_id", "judged_at", "success").iter_rows():
         attempts.setdefault(row[0], []).append((row[1], row[2]))
     hard = []
+    stats: Counter[str] = Counter()  # why a query is not guided: a first night has no attempt of any
     for q in queries.to_dicts():
         h = hardness(attempts.get(q["query_id"], []), window=loop.window, below=loop.hard_below)
-        if h.hard:
+        if not h.hard:
+            why = "never attempted" if h.attempts == 0 else f"recent success rate at or above {loop.hard_below}"
+            stats[f"not hard: {why}"] += 1
+        else:
             refs = buffer.filter(pl.col("query_id") == q["query_id"]).sort("run_id", descending=True).head(2).to_dicts()
             refs += [d | {"new": d["entry_id"] not in known} for d in demos if d["query_id"] == q["query_id"]]
             hard.append((h.recent_rate, -h.attempts, q["query_id"], Query.model_validate(q), h.reason, refs))
@@ -162,7 +167,7 @@ def load_hard_queries(ws: Workspace, snapshot: int | None) -> Inputs[HardQuery]:
     snapshots = {"queries": snapshot} | {
         t: s for t, s in (("query_history", history_snapshot), ("replay_buffer", buffer_snapshot)) if s is not None}
     demo_hash = digest(cfg.demonstrations.read_bytes()) if cfg.demonstrations else ""
-    return Inputs(units=units, snapshots=snapshots, fingerprint=demo_hash)
+    return Inputs(units=units, snapshots=snapshots, fingerprint=demo_hash, stats=stats)
 
 
 def run_guidance(units: list[HardQuery], ws: Workspace, run_id: str, _: str) -> StageOutput:

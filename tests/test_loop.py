@@ -93,6 +93,10 @@ def test_second_night_guides_the_queries_that_failed_in_the_first(two_nights):
     assert set(night2_history["iteration"]) == {0} and set(night2_history["model_id"]) == {"random"}
     lineage = ws.catalog.lineage("guidance", ws.catalog.history("guidance")[-1].snapshot_id)
     assert lineage.inputs["query_history"] == ws.catalog.history("query_history")[0].snapshot_id
+    # The first night guides nothing and its lineage says why: no query had been tried.
+    [first] = [v.lineage for v in ws.catalog.history("guidance") if v.run_id == night1]
+    tried = history.filter(pl.col("run_id") == night1)["query_id"].n_unique()
+    assert first.kept == {"guidance": 0} and first.stats == {"not hard: never attempted": tried}
 
 
 def test_guidance_rows_name_essential_steps_references_and_dropped_steps(two_nights):
