@@ -29,7 +29,6 @@ are the next stage's (`synth.pal_ui_sft`), which reads this table.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,7 +44,14 @@ from trajforge.schemas.stage import StageDef, StageOutput
 from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
-from trajforge.synth.trusted import TrustedEpisode, load_trusted, predicted_action, prediction_schema, trusted_action
+from trajforge.synth.trusted import (
+    TrustedEpisode,
+    load_trusted,
+    predicted_action,
+    prediction_schema,
+    spread,
+    trusted_action,
+)
 
 CAPTION, VALIDATE, TEACHER, ACT = "pal_ui_caption", "pal_ui_validate", "pal_ui_teacher", "pal_ui_act"
 
@@ -136,23 +142,6 @@ def _failure(answer: Answer) -> str | None:
     return answer.error or (None if answer.text.strip() else "empty answer")
 
 
-def _choose(units: list[TrustedEpisode], budget: int, min_step: int) -> list[tuple[TrustedEpisode, int]]:
-    """The steps worth the model calls (as `synth.reasoning` chooses): valid actions with at least `min_step`
-    earlier steps, on a named target first, the earliest eligible step of every episode before the next of any
-    (so a shard spreads over its episodes, and the memory asked for is the shortest), and of one episode of every
-    query before a second of any. A query's episodes (its reference replay on each viewport, an accepted attempt)
-    ask the teacher nearly the same question: on 2026-12-03's default night the eight passes were five queries,
-    each query's second viewport answered as its first, and none matched (no pal_ui_sft row); on the same steps,
-    spread, they were eight queries and one matched."""
-    episodes: dict[str, list[str]] = defaultdict(list)
-    for unit in sorted(units, key=lambda u: u.episode_id):
-        episodes[unit.query_id].append(unit.episode_id)
-    candidates = [(u, i) for u in units for i, s in enumerate(u.steps) if s.action_valid and i >= min_step]
-    candidates.sort(key=lambda c: (not c[0].steps[c[1]].target_name, c[0].steps[c[1]].action_type == "terminate",
-                                   c[1], episodes[c[0].query_id].index(c[0].episode_id), c[0].episode_id))
-    return candidates[:budget]
-
-
 def teach(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> StageOutput:
     """A teacher pass for each of `pal_ui.steps_per_shard` trusted steps of the shard."""
     out = StageOutput(rows={"pal_ui_teacher": []})
@@ -161,7 +150,7 @@ def teach(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> St
         return out
     teacher = _Teacher(ws, out, run_id)
     cfg = ws.settings.pal_ui
-    for unit, index in _choose(units, cfg.steps_per_shard, cfg.min_step):
+    for unit, index in spread(units, cfg.steps_per_shard, cfg.min_step):
         row = _pass(teacher, unit, index)
         out.rows["pal_ui_teacher"].append(row)
         out.stats["steps tried"] += 1

@@ -34,7 +34,14 @@ from trajforge.synth.ask import Answer, Asker
 from trajforge.synth.chat import policy_messages
 from trajforge.synth.match import match
 from trajforge.synth.semantics import action_text
-from trajforge.synth.trusted import TrustedEpisode, load_trusted, predicted_action, prediction_schema, trusted_action
+from trajforge.synth.trusted import (
+    TrustedEpisode,
+    load_trusted,
+    predicted_action,
+    prediction_schema,
+    spread,
+    trusted_action,
+)
 from trajforge.synth.trusted import history as past  # `history` names a step's past actions below
 
 ACT, HINTED, DISTILL = "reasoning_act", "reasoning_hinted", "reasoning_distill"
@@ -64,15 +71,6 @@ def _roles(step: Step) -> list[tuple[str, str]]:
     return said
 
 
-def _choose(units: list[TrustedEpisode], budget: int) -> list[tuple[TrustedEpisode, int]]:
-    """The steps worth the model calls: valid actions on a named target first, the first steps of every
-    episode before the second of any (so a shard spreads over its episodes)."""
-    candidates = [(u, i) for u in units for i, s in enumerate(u.steps) if s.action_valid]
-    candidates.sort(key=lambda c: (not c[0].steps[c[1]].target_name, c[0].steps[c[1]].action_type == "terminate",
-                                   c[1], c[0].episode_id))
-    return candidates[:budget]
-
-
 def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> StageOutput:
     """Reasoning samples for `synth.reasoning_steps_per_shard` trusted steps of the shard."""
     out = StageOutput(rows={"reasoning_samples": [], "train_reasoning": []})
@@ -82,7 +80,7 @@ def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> S
         return out
     reasoner = _Reasoner(ws, out, run_id)
     tag = ws.run_tag(run_id)
-    for unit, index in _choose(units, cfg.reasoning_steps_per_shard):
+    for unit, index in spread(units, cfg.reasoning_steps_per_shard):
         step = unit.steps[index]
         history = past(unit.steps, index)
         samples = (_distill(reasoner, unit, step) if step.roles_json

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,6 +42,23 @@ class TrustedEpisode:
     steps: list[Step]
     checker: str = ""
     """The query's checker and a hash of its parameters (`name@hash`): the version of the test that passed."""
+
+
+def spread(units: list[TrustedEpisode], budget: int, min_step: int = 0) -> list[tuple[TrustedEpisode, int]]:
+    """Up to `budget` steps worth a synthesis stage's model calls (reasoning's, PAL-UI's): valid actions with at
+    least `min_step` earlier steps, on a named target first, the earliest eligible step of every episode before
+    the next of any (so a shard spreads over its episodes, and a memory of earlier steps is the shortest), and of
+    one episode of every query before a second of any. A query's episodes (its reference replay on each viewport,
+    an accepted attempt) ask nearly the same question: on 2026-12-03's default night PAL-UI's eight passes were
+    five queries, each query's second viewport answered as its first, and none matched (no pal_ui_sft row); on
+    the same steps, spread, they were eight queries and one matched."""
+    episodes: dict[str, list[str]] = defaultdict(list)
+    for unit in sorted(units, key=lambda u: u.episode_id):
+        episodes[unit.query_id].append(unit.episode_id)
+    candidates = [(u, i) for u in units for i, s in enumerate(u.steps) if s.action_valid and i >= min_step]
+    candidates.sort(key=lambda c: (not c[0].steps[c[1]].target_name, c[0].steps[c[1]].action_type == "terminate",
+                                   c[1], episodes[c[0].query_id].index(c[0].episode_id), c[0].episode_id))
+    return candidates[:budget]
 
 
 def trusted_action(step: Step) -> dict[str, Any]:
