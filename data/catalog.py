@@ -208,11 +208,6 @@ def _local_path(location: str) -> Path:
     return Path(unquote(parsed.path))
 
 
-def data_files(table: Table, snapshot_id: int) -> list[Path]:
-    """The local Parquet files one version of `table` reads."""
-    return [_local_path(task.file.file_path) for task in table.scan(snapshot_id=snapshot_id).plan_files()]
-
-
 def referenced_files(table: Table, snapshot_ids: Iterable[int]) -> set[Path]:
     """The local files any of these versions of `table` reads.
 
@@ -646,7 +641,7 @@ class Catalog:
         tbl = self._tables.get(name)
         if tbl is None or snapshot_id is None:
             return exc
-        for path in data_files(tbl, snapshot_id):
+        for path in sorted(referenced_files(tbl, [snapshot_id])):
             try:
                 pq.read_table(path)
             except (pa.ArrowException, OSError) as bad:
