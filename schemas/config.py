@@ -538,6 +538,15 @@ class PalUISettings(_Section):
         "pal_ui_sft row (0 of 2 on the first); the stage took 3:02 with 8 against 0:48 with 2. The 8 go to one "
         "episode of every query before a second: 2026-12-03's night tried five queries (three on both viewports) "
         "and matched none; spread, the same steps matched 1 of 8.")
+    min_kept: int = Field(
+        default=1, ge=0, description="When the shard's `steps_per_shard` passes matched fewer than this, more "
+        "trusted steps get a pass (in the same order) until this many matched or `max_steps_per_shard` were "
+        "tried: rejection sampling until a sample is kept. With 8 passes at the embedded teacher's one match in "
+        "eight, about a third of default nights kept none (no pal_ui_sft row); 0 turns it off.")
+    max_steps_per_shard: int = Field(
+        default=24, ge=0, description="Most trusted steps per shard given a pass while `min_kept` is not reached "
+        "(at one match in eight, 24 leave about one night in 25 without a row; each pass past the 8 costs as "
+        "much as one of them).")
     min_step: int = Field(
         default=1, ge=0, description="A step needs this many earlier steps to be a sample (step 0 has nothing to look "
         "back at); not in the paper.")
@@ -547,6 +556,14 @@ class PalUISettings(_Section):
     retrieval_share: float = Field(
         default=0.5, ge=0, le=1, description="The share of retrieval samples after balancing (paper 4.3: 4.3K of "
         "8.6K, half).")
+
+    @model_validator(mode="after")
+    def _budget_in_order(self) -> PalUISettings:
+        if self.max_steps_per_shard < self.steps_per_shard:
+            raise ValueError(f"pal_ui.max_steps_per_shard ({self.max_steps_per_shard}) is below "
+                             f"pal_ui.steps_per_shard ({self.steps_per_shard}): the most passes cannot be fewer "
+                             "than the passes every shard gets")
+        return self
 
 
 class CESSettings(_Section):

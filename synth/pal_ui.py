@@ -143,17 +143,24 @@ def _failure(answer: Answer) -> str | None:
 
 
 def teach(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> StageOutput:
-    """A teacher pass for each of `pal_ui.steps_per_shard` trusted steps of the shard."""
+    """A teacher pass for each of `pal_ui.steps_per_shard` trusted steps of the shard, and for more (up to
+    `pal_ui.max_steps_per_shard`) while fewer than `pal_ui.min_kept` passes matched: a small teacher matches
+    rarely, and a fixed budget left whole nights without a sample."""
     out = StageOutput(rows={"pal_ui_teacher": []})
     if ws.settings.synth.writer != "model":
         out.stats["synth.writer is template: no teacher asked"] += len(units)
         return out
     teacher = _Teacher(ws, out, run_id)
     cfg = ws.settings.pal_ui
-    for unit, index in spread(units, cfg.steps_per_shard, cfg.min_step):
+    limit = cfg.max_steps_per_shard if cfg.steps_per_shard else 0
+    for tried, (unit, index) in enumerate(spread(units, limit, cfg.min_step)):
+        if tried >= cfg.steps_per_shard and out.stats["passes kept"] >= cfg.min_kept:
+            break
         row = _pass(teacher, unit, index)
         out.rows["pal_ui_teacher"].append(row)
         out.stats["steps tried"] += 1
+        if tried >= cfg.steps_per_shard:
+            out.stats["steps tried past pal_ui.steps_per_shard, fewer than pal_ui.min_kept matched"] += 1
         if row.retrieved_step is not None:
             out.stats["passes that looked back"] += 1
         if row.kept:

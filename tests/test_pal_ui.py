@@ -26,7 +26,7 @@ from trajforge.schemas.config import Settings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import PalUITeacher
 from trajforge.synth import pal_ui, pal_ui_sft
-from trajforge.synth.trusted import load_trusted
+from trajforge.synth.trusted import load_trusted, spread
 from trajforge.tasks.runner import run_inline
 
 pytestmark = pytest.mark.browser
@@ -44,6 +44,7 @@ class TeacherServer(ScriptedServer):
         self.truth: dict[tuple[str, int, int], dict[str, Any]] = {}  # (task, width, step) -> the demonstrated action
         self.retrieve: int | str | None = 0  # the step to look back at; "current": the step itself (out of range)
         self.wrong = False  # the action call gives up instead of giving the demonstrated action
+        self.wrong_first = 0  # so many action calls give up before the rest act as `wrong` says
         self.blank = False  # captions come back empty
         self.asked: list[tuple[str, int]] = []  # (which prompt, images sent) per request
 
@@ -61,7 +62,8 @@ class TeacherServer(ScriptedServer):
         if "Read the memory and the deliberation" in system:
             task = re.search(r"^Task: (.*)$", user, re.MULTILINE).group(1)
             width = int(re.search(r"screen of (\d+)x", system).group(1))
-            action = {"type": "terminate", "status": "failure"} if self.wrong else self.truth[(task, width, step)]
+            wrong, self.wrong_first = self.wrong or self.wrong_first > 0, max(self.wrong_first - 1, 0)
+            action = {"type": "terminate", "status": "failure"} if wrong else self.truth[(task, width, step)]
             return "act", json.dumps(to_call(action, re.search(r'"name": "(\w+)"', system).group(1)))
         raise AssertionError(f"unexpected prompt: {system[:80]}")
 
@@ -198,31 +200,48 @@ def test_a_look_back_row_calls_retrieve_is_shown_that_screen_then_acts(looked_ba
     assert line.startswith("teacher matched 3/3 (100%); 3 rows, 3 with a look-back (100%)") and "with memory vs" in line
 
 
-def test_a_teacher_whose_action_is_wrong_is_rejected_with_the_match_reason(recorded, model):
-    ws, run, _ = fresh(recorded, model, "wrong")
+def test_a_teacher_whose_action_is_wrong_is_rejected_and_more_steps_are_tried_until_the_most(recorded, model):
+    """No pass matches: the shard goes on past its 3 steps (`pal_ui.min_kept` 1 not reached) to the most, 5."""
+    ws, run, units = fresh(recorded, model, "wrong", max_steps_per_shard=5)
+    assert len(spread(units, 99, ws.settings.pal_ui.min_step)) >= 5  # enough steps for the most to bind
     model.retrieve, model.wrong = None, True
     try:
         teacher = run_inline(pal_ui.STAGE, ws, run, recorded[1]["steps"])
     finally:
         model.retrieve, model.wrong = 0, False
     rows = ws.catalog.rows_added("pal_ui_teacher", teacher["pal_ui_teacher"])[0].to_dicts()
-    assert len(rows) == 3
+    assert len(rows) == 5
     for r in rows:
         assert not r["kept"] and r["matched"] is False and r["retrieved_step"] is None and r["distance"] is None
         assert r["match_reason"].startswith("type 'terminate' is not")
         assert json.loads(r["predicted_action_json"]) == {"type": "terminate", "status": "failure"}
         assert r["act_raw_output"] and r["teacher_raw_output"]
     lineage = ws.catalog.lineage("pal_ui_teacher", teacher["pal_ui_teacher"])
-    assert lineage.dropped == {"teacher pass rejected: action does not match (type)": 3}
+    assert lineage.dropped == {"teacher pass rejected: action does not match (type)": 5}
+    assert lineage.stats["steps tried past pal_ui.steps_per_shard, fewer than pal_ui.min_kept matched"] == 2
     sft = run_inline(pal_ui_sft.STAGE, ws, run, teacher["pal_ui_teacher"])
     assert ws.catalog.rows_added("pal_ui_sft", sft["pal_ui_sft"])[0].height == 0
     stats = ws.catalog.lineage("pal_ui_sft", sft["pal_ui_sft"]).stats
-    assert stats["teacher pass not kept: action does not match (type)"] == 3 and stats["teacher passes"] == 3
-    assert pal_ui_sft.pal_ui_sft_summary(stats).startswith("teacher matched 0/3 (0%); 0 rows")
+    assert stats["teacher pass not kept: action does not match (type)"] == 5 and stats["teacher passes"] == 5
+    assert pal_ui_sft.pal_ui_sft_summary(stats).startswith("teacher matched 0/5 (0%); 0 rows")
+
+
+def test_passes_past_the_budget_stop_at_the_first_match_and_the_most_cannot_be_below_the_budget(recorded, model):
+    """The first pass gives up and the second matches: with a budget of 1 the shard tries 2 steps, not the most."""
+    ws, run, units = fresh(recorded, model, "until-kept", steps_per_shard=1, max_steps_per_shard=6)
+    model.wrong_first = 1
+    try:
+        out = pal_ui.teach(units, ws, run, "")
+    finally:
+        model.wrong_first = 0
+    assert [row.kept for row in out.rows["pal_ui_teacher"]] == [False, True]
+    assert out.stats["steps tried past pal_ui.steps_per_shard, fewer than pal_ui.min_kept matched"] == 1
+    with pytest.raises(ValueError, match=r"pal_ui.max_steps_per_shard \(2\) is below pal_ui.steps_per_shard \(3\)"):
+        Settings(pal_ui={"steps_per_shard": 3, "max_steps_per_shard": 2})
 
 
 def test_a_retrieve_index_past_the_earlier_steps_is_rejected_not_guessed(recorded, model):
-    ws, run, units = fresh(recorded, model, "out-of-range", steps_per_shard=1)
+    ws, run, units = fresh(recorded, model, "out-of-range", steps_per_shard=1, min_kept=0)
     model.retrieve, model.asked = "current", []
     try:
         out = pal_ui.teach(units, ws, run, "")
@@ -239,7 +258,7 @@ def test_a_retrieve_index_past_the_earlier_steps_is_rejected_not_guessed(recorde
 
 
 def test_a_step_whose_memory_is_incomplete_asks_no_teacher_and_says_which_part(recorded, model):
-    ws, run, units = fresh(recorded, model, "blank", steps_per_shard=1)
+    ws, run, units = fresh(recorded, model, "blank", steps_per_shard=1, min_kept=0)
     model.blank, model.asked = True, []
     try:
         out = pal_ui.teach(units, ws, run, "")
