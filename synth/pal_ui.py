@@ -154,12 +154,13 @@ def teach(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> St
     cfg = ws.settings.pal_ui
     limit = cfg.max_steps_per_shard if cfg.steps_per_shard else 0
     for tried, (unit, index) in enumerate(spread(units, limit, cfg.min_step)):
-        if tried >= cfg.steps_per_shard and out.stats["passes kept"] >= cfg.min_kept:
+        past_budget = tried >= cfg.steps_per_shard
+        if past_budget and out.stats["passes kept"] >= cfg.min_kept:
             break
         row = _pass(teacher, unit, index)
         out.rows["pal_ui_teacher"].append(row)
         out.stats["steps tried"] += 1
-        if tried >= cfg.steps_per_shard:
+        if past_budget:
             out.stats["steps tried past pal_ui.steps_per_shard, fewer than pal_ui.min_kept matched"] += 1
         if row.retrieved_step is not None:
             out.stats["passes that looked back"] += 1
