@@ -878,6 +878,11 @@ class BrowserEnv:
         if self._context is not None:
             self._call(self._install_recorder(), "installing the recorder")
 
+    @property
+    def has_recorder(self) -> bool:
+        """Whether `add_recorder` gave this env's pages a recorder (it stays on the context until it closes)."""
+        return self._recorder is not None
+
     async def _install_recorder(self) -> None:
         if self._recorder is None or self._context is None:
             return

@@ -11,17 +11,24 @@ Crash recovery needs no supervisor: an env that hit a fault opens a new context 
 next reset, and the host relaunches the browser first when it died; the episodes that
 were running when it died end as env_fault and the caller reruns them
 (`rollout.stage`).
+
+`warm_envs` lends envs that stay open between the stages of a run in one process: a
+context's first document costs several times a reset of one already open, and a night
+asks for a pool per shard and viewport (reference replays, rollouts, planning's trials).
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from trajforge.envs.browser import CHROMIUM, BrowserEnv, BrowserHost
+from trajforge.envs.browser import CHROMIUM, BrowserEnv, BrowserHost, Observation
 
 Env = TypeVar("Env")
 Item = TypeVar("Item")
@@ -85,3 +92,67 @@ def map_envs(envs: Sequence[Env], fn: Callable[[Env, Item], Result], items: Iter
 
     with ThreadPoolExecutor(len(envs), thread_name_prefix="env") as workers:
         return list(workers.map(call, items))
+
+
+_warm_lock = threading.Lock()
+_warm_hosts: dict[Path, BrowserHost] = {}
+"""One browser per Chromium binary for the warm envs of this process."""
+_warm_free: dict[tuple[Path, str, float], list[BrowserEnv]] = {}
+"""(Chromium, viewport, action timeout) -> the warm envs no caller holds now."""
+
+
+@contextmanager
+def warm_envs(size: int, *, viewport: Literal["mobile", "desktop"] = "mobile", chromium: Path = CHROMIUM,
+              action_timeout_s: float = 10.0, apps: dict[str, str] | None = None,
+              on_observe: Callable[[Observation], None] | None = None) -> Iterator[list[BrowserEnv]]:
+    """`size` envs of one viewport for the block, taken from those an earlier block of this process gave back
+    (opening more where too few are free), and given back after it for the next, until `close_warm`.
+
+    Why: 4 new contexts' first resets took 1.7-2.4 s on 2 cores (2026-12-04), their next ones 0.3-0.45 s, and
+    a night opened a pool for every reference shard and viewport and every planning trial. A lent env is
+    as clean as a pooled one between two episodes, since every episode begins with a reset (cookies, storage,
+    history; a dead browser or a faulted context replaced). `apps` and `on_observe` hold for this block only. An
+    env that runs a recorder of its own (a user's app, `BrowserEnv.add_recorder`) is closed, not given back:
+    the recorder stays on its context.
+    """
+    if size < 1:
+        raise ValueError(f"an env pool needs at least one context, got {size}")
+    key = (Path(chromium), viewport, action_timeout_s)
+    with _warm_lock:
+        host = _warm_hosts.get(key[0])
+        if host is None:
+            host = _warm_hosts[key[0]] = BrowserHost(key[0])
+        free = _warm_free.setdefault(key, [])
+        envs = [free.pop() for _ in range(min(size, len(free)))]
+    envs += [BrowserEnv(viewport=viewport, action_timeout_s=action_timeout_s, host=host)
+             for _ in range(size - len(envs))]
+    for env in envs:
+        env.apps, env.on_observe = dict(apps or {}), on_observe
+    try:
+        yield envs
+    finally:
+        kept = []
+        for env in envs:
+            env.apps, env.on_observe = {}, None
+            if env.has_recorder:
+                env.close()
+            else:
+                kept.append(env)
+        with _warm_lock:
+            if _warm_hosts.get(key[0]) is host:  # else close_warm ran meanwhile: these are closed with it
+                _warm_free.setdefault(key, []).extend(kept)
+
+
+@atexit.register
+def close_warm() -> None:
+    """Close every warm env and their browsers (a run's end, and this process's exit); safe to call twice. Envs
+    lent out now are closed with their browser; their holder's calls fail as after a crash."""
+    with _warm_lock:
+        hosts = list(_warm_hosts.values())
+        envs = [env for free in _warm_free.values() for env in free]
+        _warm_hosts.clear()
+        _warm_free.clear()
+    for env in envs:
+        env.close()
+    for host in hosts:
+        host.close()

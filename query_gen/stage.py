@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Literal
 
 from trajforge.data.blobs import BlobStore
-from trajforge.envs.browser import BrowserEnv, BrowserHost, Observation
+from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.envs.kinds import AppKind, configured_kinds, kind_for
+from trajforge.envs.pool import warm_envs
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
 from trajforge.llm.workspace import Workspace
@@ -175,10 +176,9 @@ def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commande
 
     with ExitStack() as stack:
         site = kind.serve(stack)
-        host = stack.enter_context(BrowserHost(chromium))
-        envs = [site.wrap(stack.enter_context(BrowserEnv(chromium=chromium, viewport=viewport, host=host,
-                                                         on_observe=watch(viewport))))
-                for _ in range(1 if site.shared_state else settings.contexts)]
+        envs = [site.wrap(env) for env in stack.enter_context(warm_envs(
+            1 if site.shared_state else settings.contexts, chromium=chromium, viewport=viewport,
+            on_observe=watch(viewport)))]
         env = envs[0]
         if settings.atomic_per_app:
             atomic = atomic_queries(spec, site.base_url, env, n=settings.atomic_per_app, seed=settings.seed,
@@ -192,8 +192,8 @@ def _live_queries(kind: AppKind, settings: QueryGenSettings, commander: Commande
             out.dropped.update(checked.dropped)
             out.stats.update({f"validation: reached by driving a form: {k}": n for k, n in checked.driven.items()})
         if kind.name in settings.deep_search_apps and settings.deep_search_queries:
-            desktop = site.wrap(stack.enter_context(BrowserEnv(  # a desktop app's menus
-                chromium=chromium, viewport="desktop", host=host, on_observe=watch("desktop"))))
+            desktop = site.wrap(stack.enter_context(warm_envs(  # a desktop app's menus
+                1, chromium=chromium, viewport="desktop", on_observe=watch("desktop")))[0])
             found += _deep_search(spec, site.base_url, desktop, settings, commander, out, run_id=run_id)
     return found
 

@@ -1,7 +1,8 @@
 """The rollout stage over one shard of queries: episodes and steps rows, no Prefect.
 
-One AppServer per app the shard needs and one `EnvPool` (`settings.contexts` browser
-contexts on one browser) running the shard's queries in parallel. An episode that ends
+One AppServer per app the shard needs and `settings.contexts` browser contexts on one
+browser (`envs.pool.warm_envs`: open from an earlier shard of the run in this process
+where they can be) running the shard's queries in parallel. An episode that ends
 in an environment fault (browser crash, timeout, app server down) is kept as an
 env_fault row, which critics skip, and its query is rerun as a new episode, up to
 `settings.max_fault_retries` times, as Agentic-Q's detection-rerunning does: a fault
@@ -36,7 +37,7 @@ import polars as pl
 from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.kinds import AppKind, kind_for
-from trajforge.envs.pool import EnvPool
+from trajforge.envs.pool import map_envs, warm_envs
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
 from trajforge.llm.workspace import Workspace, code_version
@@ -235,7 +236,7 @@ def _in_browser(queries: list[Query], kinds: dict[str, AppKind], settings: Rollo
     with ExitStack() as stack:
         sites = {name: kinds[name].serve(stack) for name in sorted({q.app for q in queries})}
         launchers = {name: url for site in sites.values() for name, url in site.launchers.items()}
-        pool = stack.enter_context(EnvPool(
+        envs = stack.enter_context(warm_envs(
             settings.contexts, viewport=settings.viewport, chromium=settings.chromium,
             action_timeout_s=settings.action_timeout_s, apps=launchers,
         ))
@@ -247,7 +248,7 @@ def _in_browser(queries: list[Query], kinds: dict[str, AppKind], settings: Rollo
             with alone.get(q.app) or nullcontext():  # another context's reset would wipe this episode's state
                 return attempts(site.wrap(env), q, site.start_url(q))
 
-        return pool.map(run, queries)
+        return map_envs(envs, run, queries)
 
 
 # ---------------------------------------------------------------- the stage

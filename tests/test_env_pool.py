@@ -27,7 +27,7 @@ from trajforge.data.blobs import BlobRef, BlobStore
 from trajforge.envs.apps import AppServer, BundledApp, load_app
 from trajforge.envs.axtree import parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, recorded_url
-from trajforge.envs.pool import EnvPool
+from trajforge.envs.pool import EnvPool, close_warm, warm_envs
 from trajforge.envs.spec import AppSpec
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
@@ -121,6 +121,36 @@ def test_a_reset_after_an_episode_that_left_its_app_gives_the_known_state(pool: 
 
 
 @pytest.mark.browser
+def test_warm_envs_are_lent_again_and_a_reset_leaves_nothing_of_the_last_holder(chromium: Path,
+                                                                                  shop: BundledApp) -> None:
+    """A rollout gives its envs back for the next one of the run (a new context's first page costs several
+    resets): the next holder gets the same env with its own apps, and after its reset nothing is left of the
+    last holder's episode, on an app served on another port since. An env that ran a recorder is not lent again."""
+    close_warm()
+    with AppServer(shop) as first:
+        with warm_envs(1, viewport="desktop", chromium=chromium, apps={"Shop": first.base_url}) as [env]:
+            assert env.apps == {"Shop": first.base_url}
+            env.reset("warm", first.base_url + "/")
+            add_to_cart(env, "Pad Thai")
+            env.page.evaluate("localStorage.setItem('x', '1'); sessionStorage.setItem('y', '2'); document.cookie = 'z=3'")
+    with AppServer(shop) as second, warm_envs(1, viewport="desktop", chromium=chromium) as [again]:
+        assert again is env and again.apps == {}
+        again.reset("warm", second.base_url + "/")
+        assert again.app_state() == shop.initial_state()
+        assert again.page.evaluate("[localStorage.length, sessionStorage.length, history.length]") == [0, 0, 1]
+        assert again.page.evaluate("document.cookie") == "tf_session=warm"  # the cookie of the same host is gone
+        again.add_recorder("window.__recorded = true")  # as a user's app's env does (envs.appdir)
+    with warm_envs(1, viewport="desktop", chromium=chromium) as [third], \
+            warm_envs(1, viewport="mobile", chromium=chromium) as [mobile]:
+        assert third is not again and not third.has_recorder
+        assert mobile.viewport == "mobile"
+    close_warm()
+    with warm_envs(1, viewport="desktop", chromium=chromium) as [after]:
+        assert after is not third, "close_warm closes the envs it held"
+    close_warm()
+
+
+@pytest.mark.browser
 def test_ax_tree_boxes_match_the_elements(pool: EnvPool, server: AppServer) -> None:
     env = pool.envs[1]
     env.reset("boxes", server.base_url + "/")
@@ -185,6 +215,7 @@ class KillingBlobStore(BlobStore):
 @pytest.mark.browser
 def test_killed_browser_gives_env_fault_episodes_and_reruns_that_succeed(chromium: Path, shop: BundledApp,
                                                                          tmp_path: Path) -> None:
+    close_warm()  # the rollout's browser is then this process's newest, the one KillingBlobStore kills
     queries = [goal_query(shop.spec, "cart", "q-cart"), goal_query(shop.spec, "settings_saved", "q-settings")]
     blobs = KillingBlobStore(tmp_path / "blobs", kill_at=3)
     settings = RolloutSettings(policy="replay", viewport="desktop", contexts=2, max_fault_retries=1, chromium=chromium)
@@ -212,6 +243,7 @@ def test_killed_browser_gives_env_fault_episodes_and_reruns_that_succeed(chromiu
 
 @pytest.mark.browser
 def test_faults_without_reruns_left_are_counted(chromium: Path, shop: BundledApp, tmp_path: Path) -> None:
+    close_warm()  # as above
     blobs = KillingBlobStore(tmp_path / "blobs", kill_at=2)
     settings = RolloutSettings(policy="replay", viewport="mobile", contexts=1, max_fault_retries=0, chromium=chromium)
     out = rollout([goal_query(shop.spec, "cart", "q-once").model_dump()], run_id="run-once",
