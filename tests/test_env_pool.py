@@ -132,7 +132,8 @@ def test_warm_envs_are_lent_again_and_a_reset_leaves_nothing_of_the_last_holder(
             assert env.apps == {"Shop": first.base_url}
             env.reset("warm", first.base_url + "/")
             add_to_cart(env, "Pad Thai")
-            env.page.evaluate("localStorage.setItem('x', '1'); sessionStorage.setItem('y', '2'); document.cookie = 'z=3'")
+            env.page.evaluate("localStorage.setItem('x', '1'); sessionStorage.setItem('y', '2');"
+                              "document.cookie = 'z=3'")
     with AppServer(shop) as second, warm_envs(1, viewport="desktop", chromium=chromium) as [again]:
         assert again is env and again.apps == {}
         again.reset("warm", second.base_url + "/")

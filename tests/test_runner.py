@@ -212,3 +212,15 @@ def test_a_unit_done_again_replaces_the_rows_earlier_runs_wrote_for_it(ws, run_i
 
     with pytest.raises(ValueError, match=r"replaces rows by 'step_id', which table\(s\) \['queries', 'episodes'\]"):
         plan(dataclasses.replace(replacing("h", APPS), replaces=("step_id", str)), ws, f"{run_id}-bad", None)
+
+
+def test_shards_are_as_even_as_their_size_allows_and_keep_the_units_order(ws, run_id):
+    """Shards run at once (grounding's, Dask's) end together: 7 units at 5 a shard are 4 and 3, not 5 and 2;
+    none is larger than the size, and a plan of the same units makes the same shards (a rerun resumes them)."""
+    stage = dataclasses.replace(make_stage([]), shard_size=lambda s: 5)
+    p = plan(stage, ws, run_id, None)
+    assert [shard.units for shard in p.pending] == [APPS[:4], APPS[4:]]
+    assert plan(stage, ws, run_id, None).shard_ids == p.shard_ids
+    sizes = {n: [len(shard.units) for shard in plan(dataclasses.replace(stage, shard_size=lambda s, n=n: n), ws,
+                                                             f"{run_id}-{n}", None).pending] for n in (1, 3, 7, 8)}
+    assert sizes == {1: [1] * 7, 3: [3, 2, 2], 7: [7], 8: [7]}
