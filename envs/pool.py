@@ -145,14 +145,11 @@ def warm_envs(size: int, *, viewport: Literal["mobile", "desktop"] = "mobile", c
 
 @atexit.register
 def close_warm() -> None:
-    """Close every warm env and their browsers (a run's end, and this process's exit); safe to call twice. Envs
-    lent out now are closed with their browser; their holder's calls fail as after a crash."""
+    """Close the warm envs' browsers, and with them every context (a run's end, and this process's exit); safe to
+    call twice. Envs lent out now are closed too; their holder's calls fail as after a crash."""
     with _warm_lock:
         hosts = list(_warm_hosts.values())
-        envs = [env for free in _warm_free.values() for env in free]
         _warm_hosts.clear()
         _warm_free.clear()
-    for env in envs:
-        env.close()
     for host in hosts:
         host.close()
