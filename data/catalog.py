@@ -223,6 +223,22 @@ def referenced_files(table: Table, snapshot_ids: Iterable[int]) -> set[Path]:
             for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)}
 
 
+def metadata_files(table: Table, snapshot_ids: Iterable[int]) -> set[Path]:
+    """The metadata files these versions of `table` need: the current metadata JSON and the earlier ones its log
+    names (`write.metadata.previous-versions-max`, pyiceberg deletes older ones at each commit), and each version's
+    manifest list and manifests. An expired version's manifest list, and the manifests only expired versions
+    listed (merged away since, or an overwritten version's), are in no version's tree: retention removes them."""
+    needed = {_local_path(table.metadata_location)}
+    needed.update(_local_path(log.metadata_file) for log in table.metadata.metadata_log)
+    for sid in snapshot_ids:
+        snapshot = table.snapshot_by_id(sid)
+        if snapshot is None:
+            continue
+        needed.add(_local_path(snapshot.manifest_list))
+        needed.update(_local_path(manifest.manifest_path) for manifest in snapshot.manifests(table.io))
+    return needed
+
+
 def _file_uri(path: str | Path) -> str:
     """Data files are registered as file:// URIs, the form pyiceberg itself writes."""
     text = str(path)

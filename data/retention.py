@@ -5,7 +5,8 @@ the blob store. `expire` takes a cutoff and, per table, expires the versions com
 before it except the protected ones (every tagged version, so `nightly-*` and hand-made tags
 stay readable; each table's current version; and every version a kept version's lineage
 names as its input, so each kept version can still be explained and its stage rerun); then
-removes the data files no remaining version references, and the blobs whose hash no
+removes the data files no remaining version references, the metadata files no remaining version
+needs (expired versions' manifest lists, manifests only they listed), and the blobs whose hash no
 remaining row mentions (a hash is found in any string column, JSON included, so a new table
 needs no registration here).
 
@@ -35,7 +36,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 
 from trajforge.data.blobs import SHA256, BlobStore
-from trajforge.data.catalog import Catalog, referenced_files, snapshot_lineage
+from trajforge.data.catalog import Catalog, metadata_files, referenced_files, snapshot_lineage
 from trajforge.data.ledger import Ledger
 
 
@@ -48,6 +49,8 @@ class Expiry:
     kept_snapshots: dict[str, int] = field(default_factory=dict)
     """Table -> versions that remain."""
     data_files: list[Path] = field(default_factory=list)
+    metadata_files: list[Path] = field(default_factory=list)
+    """Manifest lists and manifests that only expired versions used (Iceberg's own files, beside the data)."""
     blobs: list[Path] = field(default_factory=list)
     train_data: list[Path] = field(default_factory=list)
     """The trainer's input folders, and failed trainers' leftover checkpoint folders."""
@@ -142,6 +145,12 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
         for path in sorted(catalog.data_dir(name).glob("*.parquet")):
             if path not in live and path not in pending and _old(path, cutoff):
                 out.data_files.append(path)
+        # After the expiry's commit the table is read again: that commit wrote the metadata that now holds it.
+        current = tbl if dry_run or not expired else catalog.iceberg.load_table((catalog.namespace, name))
+        needed = metadata_files(current, keep[name])
+        for path in sorted(catalog.data_dir(name).with_name("metadata").glob("*")):
+            if path.is_file() and path not in needed and _old(path, cutoff):
+                out.metadata_files.append(path)
     mentioned = _hashes(referenced | pending)
     for path in sorted(blobs.root.glob("??/*")):
         if path.is_file() and blobs.sha256_of(path) not in mentioned and _old(path, cutoff):
@@ -151,7 +160,7 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
                             if p.is_dir() and _old(p, cutoff))
     if collect_checkpoints:
         out.checkpoints = _old_checkpoints(catalog, cutoff, named_models)
-    for path in (*out.data_files, *out.blobs, *out.train_data, *out.checkpoints):
+    for path in (*out.data_files, *out.metadata_files, *out.blobs, *out.train_data, *out.checkpoints):
         out.bytes += _size(path)
         if dry_run:
             continue

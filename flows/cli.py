@@ -403,8 +403,8 @@ def datasets_expire(
     ] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Expire old versions (tagged and current ones kept), then remove the data files and screenshot blobs that
-    no remaining version references, and the trainer's old input folders."""
+    """Expire old versions (tagged and current ones kept), then remove the data files, Iceberg metadata files and
+    screenshot blobs that no remaining version references, and the trainer's old input folders."""
     from trajforge.data.retention import expire
 
     settings, ws = _open(config)
@@ -425,14 +425,15 @@ def datasets_expire(
         table.add_row(name, str(len(gone.snapshots.get(name, []))), str(kept))
     console.print(table)
     verb = "would remove" if dry_run else "removed"
-    console.print(f"{verb} {len(gone.data_files)} data files, {len(gone.blobs)} screenshot blobs "
+    console.print(f"{verb} {len(gone.data_files)} data files, {len(gone.metadata_files)} Iceberg metadata files, "
+                  f"{len(gone.blobs)} screenshot blobs "
                   f"({readings} OCR readings{', shared cache left alone' if shared else ''}), "
                   f"{len(gone.train_data)} training data folders and {len(gone.checkpoints)} checkpoints "
                   f"({gone.bytes / 1e6:.1f} MB)")
     if responses:
         console.print(f"{'would forget' if dry_run else 'forgot'} {answers} cached model answers")
     if dry_run:
-        for path in (*gone.data_files, *gone.blobs, *gone.train_data, *gone.checkpoints):
+        for path in (*gone.data_files, *gone.metadata_files, *gone.blobs, *gone.train_data, *gone.checkpoints):
             console.print(f"  {path}", highlight=False)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pyarrow.parquet as pq
 import pytest
@@ -37,6 +38,17 @@ def shard(catalog: Catalog, name: str, rows: list[dict]) -> Path:
     return path
 
 
+def local(uri: str) -> Path:
+    return Path(urlparse(uri).path)
+
+
+def iceberg_tree(catalog: Catalog, table: str, versions: list[int]) -> set[Path]:
+    """The manifest lists and manifests of these versions of the table, as pyiceberg lists them."""
+    tbl = catalog.iceberg.load_table((catalog.namespace, table))
+    snapshots = [tbl.snapshot_by_id(v) for v in versions]
+    return {local(uri) for s in snapshots for uri in (s.manifest_list, *(m.manifest_path for m in s.manifests(tbl.io)))}
+
+
 def test_expire_keeps_tagged_and_current_versions_and_removes_what_only_old_versions_used(tmp_path: Path) -> None:
     catalog = Catalog(tmp_path / "warehouse")
     blobs = BlobStore(catalog.warehouse / "blobs")
@@ -54,17 +66,23 @@ def test_expire_keeps_tagged_and_current_versions_and_removes_what_only_old_vers
     run = ledger.open_run("nightly", "x").run_id
     ledger.record_shard(run, "rollout", ShardRecord("sh1", {"steps": [str(pending)]}, {}, {}, {}, {}, {}))
     later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    v2_list = local(catalog.iceberg.load_table((catalog.namespace, "steps")).snapshot_by_id(versions[1]).manifest_list)
 
     dry = expire(catalog, blobs, ledger, timedelta(0), dry_run=True, now=later)
     assert dry.snapshots == {"steps": [versions[1]]}
     assert [p.name for p in dry.data_files] == ["v1.parquet"]
+    kept_tree = iceberg_tree(catalog, "steps", [versions[0], versions[2]])
+    assert v2_list in dry.metadata_files and not set(dry.metadata_files) & kept_tree
     assert sorted(p.parent.name + p.name for p in dry.blobs) == sorted([shots[1], shots[4]])  # v2's and the unused
-    assert all(p.exists() for p in (*dry.data_files, *dry.blobs))  # a dry run lists only
+    assert all(p.exists() for p in (*dry.data_files, *dry.metadata_files, *dry.blobs))  # a dry run lists only
     assert catalog.load("steps", versions[1]).height == 1
 
     gone = expire(catalog, blobs, ledger, timedelta(0), now=later)
     assert gone.snapshots == dry.snapshots and gone.data_files == dry.data_files and gone.blobs == dry.blobs
-    assert not any(p.exists() for p in (*gone.data_files, *gone.blobs)) and gone.bytes > 0
+    assert gone.metadata_files == dry.metadata_files
+    avro = {p for p in catalog.data_dir("steps").with_name("metadata").iterdir() if p.suffix == ".avro"}
+    assert avro == kept_tree  # nothing unreferenced is left
+    assert not any(p.exists() for p in (*gone.data_files, *gone.metadata_files, *gone.blobs)) and gone.bytes > 0
     fresh = Catalog(tmp_path / "warehouse")
     assert fresh.load("steps@nightly-2026-11-01")["step_id"].to_list() == ["s0"]
     assert fresh.load("steps@latest")["step_id"].to_list() == ["s2"]
@@ -73,7 +91,7 @@ def test_expire_keeps_tagged_and_current_versions_and_removes_what_only_old_vers
     assert pending.exists() and shots[3] in blobs and shots[0] in blobs and shots[2] in blobs
 
     again = expire(fresh, blobs, ledger, timedelta(0), now=later)  # nothing left to do
-    assert (again.snapshots, again.data_files, again.blobs) == ({}, [], [])
+    assert (again.snapshots, again.data_files, again.metadata_files, again.blobs) == ({}, [], [], [])
 
 
 def test_a_version_a_kept_version_was_made_from_is_kept(tmp_path: Path) -> None:
