@@ -19,6 +19,7 @@ rollout stage's episodes), since the checker already has.
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import polars as pl
@@ -31,6 +32,7 @@ from trajforge.rollout.stage import query_version, rollout, spec_hash
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Episode, Query, Step
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
+
 
 @dataclass(frozen=True)
 class ReferenceUnit:
@@ -85,19 +87,26 @@ def load_references(ws: Workspace, snapshot: int | None) -> Inputs[ReferenceUnit
 def record_references(units: list[ReferenceUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
     """Replay each unit's query in its viewport, check it, and keep the successes as replay-buffer entries too."""
     out = StageOutput(rows={"episodes": [], "steps": [], "replay_buffer": []}, models={"policy": "replay"}, prompts={})
-    versions: dict[tuple[str, str], ReferenceUnit] = {}
-    for viewport in sorted({u.viewport for u in units}):
-        mine = [u for u in units if u.viewport == viewport]
+    versions = {(u.query.query_id, u.viewport): u for u in units}
+
+    def replay(viewport: str) -> StageOutput:
         settings = ws.settings.rollout.model_copy(
             update={"policy": "replay", "viewport": viewport, "samples_per_query": 1})  # one recording each
         # the policy's viewport keeps the ids references had before there were two
         tag = "reference" if viewport == ws.settings.rollout.viewport else f"reference-{viewport}"
-        done = rollout([u.query for u in mine], run_id=f"{run_id}-{tag}", settings=settings, blobs=ws.blobs)
+        return rollout([u.query for u in units if u.viewport == viewport], run_id=f"{run_id}-{tag}",
+                       settings=settings, blobs=ws.blobs)
+
+    # The viewports at once, each on its own contexts: one after the other, a shard of 3 replays kept 1 core of 2
+    # busy (a replay's steps wait on its page loads, and a shard held 1 or 2 of them at a time).
+    viewports = sorted({u.viewport for u in units})
+    with ThreadPoolExecutor(max(1, len(viewports)), thread_name_prefix="reference") as pool:
+        replays = list(pool.map(replay, viewports))
+    for done in replays:
         for table in ("episodes", "steps"):
             out.rows[table] += done.rows[table]
         out.dropped.update(done.dropped)
         out.stats.update(done.stats)
-        versions |= {(u.query.query_id, viewport): u for u in mine}
     steps: dict[str, list[Step]] = {}
     for step in out.rows["steps"]:
         steps.setdefault(step.episode_id, []).append(step)  # type: ignore[union-attr]
