@@ -106,7 +106,7 @@ def _words(text: str, chars: tuple[OcrSpan, ...]) -> tuple[OcrSpan, ...]:
     return tuple(words)
 
 
-_RAPID_PARAMS = {"Global.use_cls": False, "Det.limit_type": "max", "Det.limit_side_len": 1280,
+_RAPID_PARAMS = {"Global.use_cls": False, "Det.limit_type": "max", "Det.limit_side_len": 1280, "Rec.rec_batch_num": 1,
                  "EngineConfig.onnxruntime.intra_op_num_threads": 1}
 """rapidocr's settings for screens. Its defaults are for photos of documents: an angle classifier for text
 upside down (never on a screen), and the detector's input scaled so its shortest side is 736, which
@@ -118,14 +118,20 @@ pool of a thread per core spins while it waits, so beside other work it burns th
 screens of a replay night on 2 cores (2026-12-02): one reader alone 23.4 s with its pool (45.3 CPU-s), 35.9 s
 on one thread; two readers at once, as a night's grounding shards or two test workers read, 54.5 s each with
 the pool and 35 s each on one thread. The readings are the same, box for box and score for score (39 screens
-compared), so the engine id and every cached reading stay valid."""
+compared), so the engine id and every cached reading stay valid.
+
+One text line a recognition pass: rapidocr's default batches 6, each padded to the widest of them, and on one
+thread the padding costs more than the batch saves. 34 screens of a replay night (2026-12-05, 2 cores, two rounds
+each, interleaved): 10.9-11.7 s against 12.7-13.1 s batched by 6 (16: 18.0 s). The same texts; the scores move by
+at most 0.024 and 2% of character boxes by more than 2 px (at most 6), as the model sees no padding beside a
+line: readings differ, hence the engine id's `rec1`."""
 
 
 def _rapid_id() -> str:
     """rapidocr's engine id: its wheel's version, which fixes the PP-OCR models it ships (read without loading
     them), and the settings above."""
     try:
-        return f"rapidocr-{version('rapidocr')}/det-max-1280-no-cls"
+        return f"rapidocr-{version('rapidocr')}/det-max-1280-no-cls-rec1"
     except PackageNotFoundError:
         raise OcrBackendMissing(f"OCR backend rapidocr is not installed: {INSTALL}") from None
 
