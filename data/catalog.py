@@ -214,13 +214,19 @@ def referenced_files(table: Table, snapshot_ids: Iterable[int]) -> set[Path]:
     Each manifest is read once: a table's versions share most of theirs (an append adds one and keeps the rest),
     so planning each version's scan read them again for every version: a year-old table's expiry (365 versions,
     53 tagged) spent 6.5 of its 10.0 s there, and 2.2 of 6.7 s this way (a `/tmp` script, a night beside it)."""
+    return {_local_path(entry.data_file.file_path) for manifest in _manifests(table, snapshot_ids).values()
+            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)}
+
+
+def _manifests(table: Table, snapshot_ids: Iterable[int]) -> dict[str, ManifestFile]:
+    """Manifest path -> manifest, over these versions' manifest lists (each manifest once; a missing version
+    has none)."""
     manifests: dict[str, ManifestFile] = {}
     for sid in snapshot_ids:
         snapshot = table.snapshot_by_id(sid)
         for manifest in snapshot.manifests(table.io) if snapshot is not None else []:
             manifests[manifest.manifest_path] = manifest
-    return {_local_path(entry.data_file.file_path) for manifest in manifests.values()
-            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)}
+    return manifests
 
 
 def metadata_files(table: Table, snapshot_ids: Iterable[int]) -> set[Path]:
@@ -228,15 +234,11 @@ def metadata_files(table: Table, snapshot_ids: Iterable[int]) -> set[Path]:
     names (`write.metadata.previous-versions-max`, pyiceberg deletes older ones at each commit), and each version's
     manifest list and manifests. An expired version's manifest list, and the manifests only expired versions
     listed (merged away since, or an overwritten version's), are in no version's tree: retention removes them."""
-    needed = {_local_path(table.metadata_location)}
-    needed.update(_local_path(log.metadata_file) for log in table.metadata.metadata_log)
-    for sid in snapshot_ids:
-        snapshot = table.snapshot_by_id(sid)
-        if snapshot is None:
-            continue
-        needed.add(_local_path(snapshot.manifest_list))
-        needed.update(_local_path(manifest.manifest_path) for manifest in snapshot.manifests(table.io))
-    return needed
+    ids = list(snapshot_ids)
+    needed = {table.metadata_location, *(log.metadata_file for log in table.metadata.metadata_log)}
+    needed.update(s.manifest_list for s in map(table.snapshot_by_id, ids) if s is not None)
+    needed.update(_manifests(table, ids))
+    return {_local_path(path) for path in needed}
 
 
 def _file_uri(path: str | Path) -> str:
