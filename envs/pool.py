@@ -15,6 +15,7 @@ were running when it died end as env_fault and the caller reruns them
 `warm_envs` lends envs that stay open between the stages of a run in one process: a
 context's first document costs several times a reset of one already open, and a night
 asks for a pool per shard and viewport (reference replays, rollouts, planning's trials).
+A run keeps them open with `warm_scope`; the last scope of the process closes them.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def map_envs(envs: Sequence[Env], fn: Callable[[Env, Item], Result], items: Iter
 
 
 _warm_lock = threading.Lock()
+_warm_scopes = 0
+"""How many `warm_scope` blocks of this process are open now."""
 _warm_hosts: dict[Path, BrowserHost] = {}
 """One browser per Chromium binary for the warm envs of this process."""
 _warm_free: dict[tuple[Path, str, float], list[BrowserEnv]] = {}
@@ -141,6 +144,25 @@ def warm_envs(size: int, *, viewport: Literal["mobile", "desktop"] = "mobile", c
         with _warm_lock:
             if _warm_hosts.get(key[0]) is host:  # else close_warm ran meanwhile: these are closed with it
                 _warm_free.setdefault(key, []).extend(kept)
+
+
+@contextmanager
+def warm_scope() -> Iterator[None]:
+    """Warm envs stay open while any scope of this process does; the last scope to end closes them
+    (`close_warm`). A run holds one (`tasks.prefect_tasks.run_workspace`), so two runs in one process, such as
+    two stage flows a notebook runs at once, no longer close the browser under each other: the first run to end
+    used to close every warm env, the other run's lent ones too, and that run's next browser call failed."""
+    global _warm_scopes
+    with _warm_lock:
+        _warm_scopes += 1
+    try:
+        yield
+    finally:
+        with _warm_lock:
+            _warm_scopes -= 1
+            last = _warm_scopes == 0
+        if last:
+            close_warm()
 
 
 @atexit.register

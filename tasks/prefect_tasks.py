@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from trajforge.envs.kinds import use_app_dirs
-from trajforge.envs.pool import close_warm
+from trajforge.envs.pool import warm_scope
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings
 from trajforge.tasks.runner import Shard, StagePlan, run_shard
@@ -39,7 +39,7 @@ def run_workspace(run_id: str, ws: Workspace) -> Iterator[Workspace]:
     runner = ws.settings.runner
     use_app_dirs(ws.settings.query_gen.app_dirs)
     with ExitStack() as stack:
-        stack.callback(close_warm)  # last: the run's warm browser contexts (`envs.pool.warm_envs`) end with it
+        stack.enter_context(warm_scope())  # last: the warm browser contexts end with the process's last run
         _WORKSPACES[run_id] = ws
         stack.callback(_WORKSPACES.pop, run_id, None)
         if runner.engine == "dask":

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import cast
@@ -27,7 +28,7 @@ from trajforge.data.blobs import BlobRef, BlobStore
 from trajforge.envs.apps import AppServer, BundledApp, load_app
 from trajforge.envs.axtree import parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, recorded_url
-from trajforge.envs.pool import EnvPool, close_warm, warm_envs
+from trajforge.envs.pool import EnvPool, close_warm, warm_envs, warm_scope
 from trajforge.envs.spec import AppSpec
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
@@ -148,6 +149,27 @@ def test_warm_envs_are_lent_again_and_a_reset_leaves_nothing_of_the_last_holder(
     close_warm()
     with warm_envs(1, viewport="desktop", chromium=chromium) as [after]:
         assert after is not third, "close_warm closes the envs it held"
+    close_warm()
+
+
+@pytest.mark.browser
+def test_a_run_that_ends_leaves_the_warm_envs_of_another_run_open(chromium: Path, shop: BundledApp) -> None:
+    """Two runs in one process (two stage flows a notebook runs at once) each hold a warm scope: the first to
+    end leaves the browser the other is using, and the last to end closes it."""
+    close_warm()
+    other = ExitStack()
+    with AppServer(shop) as site:
+        with warm_scope():
+            other.enter_context(warm_scope())
+            with warm_envs(1, viewport="desktop", chromium=chromium) as [env]:
+                env.reset("held", site.base_url + "/")
+                other.close()  # the other run ends while this one holds `env`
+                env.reset("held", site.base_url + "/")  # failed when any run's end closed every warm env
+                assert env.observe().url == "/"
+            with warm_envs(1, viewport="desktop", chromium=chromium) as [again]:
+                assert again is env, "still warm while a scope is open"
+        with warm_envs(1, viewport="desktop", chromium=chromium) as [after]:
+            assert after is not env, "the last scope's end closes the warm envs"
     close_warm()
 
 
