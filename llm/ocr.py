@@ -16,6 +16,7 @@ PaddleOCR is the alternative backend where it and its model folders are installe
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import io
@@ -124,7 +125,10 @@ One text line a recognition pass: rapidocr's default batches 6, each padded to t
 thread the padding costs more than the batch saves. 34 screens of a replay night (2026-12-05, 2 cores, two rounds
 each, interleaved): 10.9-11.7 s against 12.7-13.1 s batched by 6 (16: 18.0 s). The same texts; the scores move by
 at most 0.024 and 2% of character boxes by more than 2 px (at most 6), as the model sees no padding beside a
-line: readings differ, hence the engine id's `rec1`."""
+line: readings differ, hence the engine id's `rec1`.
+
+onnxruntime's memory arena stays off, as rapidocr sets it: on 39 screens (2026-12-05, 2 cores, two rounds each)
+it read them in 26.6 s against 27.3 s, for 200 MB more an engine, the same readings."""
 
 
 def _rapid_id() -> str:
@@ -136,13 +140,75 @@ def _rapid_id() -> str:
         raise OcrBackendMissing(f"OCR backend rapidocr is not installed: {INSTALL}") from None
 
 
+class LineMemo:
+    """The readings of text lines recognised before, keyed by the line's pixels: a line the same to the pixel
+    as one read before (the app's header, a product name on its list and on its own page) is not recognised
+    again. With one line a recognition pass (`_RAPID_PARAMS`) a line's reading depends on its pixels alone,
+    so a screen's reading is the same with the memo as without it, box for box and score for score (39
+    screens of a replay night compared), and the engine id does not change. Those 39 screens (2026-12-05,
+    2 cores): 167 of 457 lines remembered, 21.9 s against 27.1 s. One memo serves a reader's engines (the
+    threads that read at once); the oldest line is forgotten past `size` (a line is a few hundred bytes)."""
+
+    def __init__(self, size: int = 20_000) -> None:
+        self._lines: OrderedDict[bytes, tuple[str, float, Any]] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+        self.recognised = 0
+        """Lines the recogniser really read."""
+        self.remembered = 0
+        """Lines read from the memo instead."""
+
+    def recognise(self, recogniser: Callable[[Any], Any], crops: list[np.ndarray], word_box: bool
+                  ) -> list[tuple[str, float, Any]]:
+        """(text, score, rapidocr's word result) of each crop, in order: remembered ones from the memo, the
+        others recognised in one call of rapidocr's `recogniser`."""
+        from rapidocr.ch_ppocr_rec.typings import TextRecInput
+
+        keys = [hashlib.sha256(f"{crop.shape}{word_box}".encode() + np.ascontiguousarray(crop).tobytes()).digest()
+                for crop in crops]
+        with self._lock:
+            known = {k: self._lines[k] for k in keys if k in self._lines}
+        todo = [i for i, k in enumerate(keys) if k not in known]
+        if todo:
+            out = recogniser(TextRecInput(img=[crops[i] for i in todo], return_word_box=word_box))
+            for j, i in enumerate(todo):
+                known[keys[i]] = (out.txts[j], out.scores[j], out.word_results[j])
+        with self._lock:
+            self.recognised += len(todo)
+            self.remembered += len(keys) - len(todo)
+            for k in keys:
+                self._lines[k] = known[k]
+                self._lines.move_to_end(k)
+            while len(self._lines) > self._size:
+                self._lines.popitem(last=False)
+        return [copy.deepcopy(known[k]) for k in keys]  # rapidocr maps a line's word boxes onto the screen
+
+
+class _RememberingRecognizer:
+    """rapidocr's text recogniser, called as rapidocr calls it, in front of a `LineMemo`."""
+
+    def __init__(self, recogniser: Callable[[Any], Any], memo: LineMemo) -> None:
+        self._recogniser = recogniser
+        self._memo = memo
+
+    def __call__(self, args: Any) -> Any:
+        from rapidocr.ch_ppocr_rec.typings import TextRecOutput
+
+        crops = [args.img] if isinstance(args.img, np.ndarray) else list(args.img)
+        lines = self._memo.recognise(self._recogniser, crops, args.return_word_box)
+        return TextRecOutput(crops, tuple(t for t, _, _ in lines), tuple(s for _, s, _ in lines),
+                             tuple(w for _, _, w in lines), 0.0)
+
+
 class _Rapid:
-    def __init__(self) -> None:
+    def __init__(self, memo: LineMemo) -> None:
         try:
             from rapidocr import RapidOCR
         except ImportError as exc:
             raise OcrBackendMissing(f"OCR backend rapidocr is not installed ({exc}): {INSTALL}") from exc
         self.engine = RapidOCR(params={"Global.log_level": "error", **_RAPID_PARAMS})
+        # rapidocr loads its recogniser on first use; load it now and put the memo in front of it
+        self.engine.text_rec = _RememberingRecognizer(self.engine._load_rec_model(), memo)
         self.id = _rapid_id()
 
     def __call__(self, rgb: np.ndarray) -> list[OcrLine]:
@@ -235,6 +301,8 @@ class OcrReader:
         """How many images the engine really read in this process, whole or in part (a miss of both caches)."""
         self.region_reads = 0
         """How many of those it read only in their changed regions."""
+        self.line_memo = LineMemo()
+        """The text lines rapidocr's engines recognised, shared by them (`LineMemo`)."""
 
     @contextmanager
     def _engine(self) -> Iterator[_Rapid | _Paddle]:
@@ -243,7 +311,7 @@ class OcrReader:
         with self._making:
             if self._engines.empty() and self._made < (os.cpu_count() or 1):
                 self._made += 1
-                self._engines.put(_Paddle(*self._paddle_dirs) if self.backend == "paddleocr" else _Rapid())
+                self._engines.put(_Paddle(*self._paddle_dirs) if self.backend == "paddleocr" else _Rapid(self.line_memo))
         engine = self._engines.get()
         try:
             yield engine

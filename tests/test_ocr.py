@@ -67,6 +67,19 @@ def test_an_image_is_read_once_per_warehouse(tmp_path):
                                 f'{round(lines[0].box[1] + lines[0].box[3] / 2)})',)
 
 
+def test_a_line_read_before_is_remembered_and_reads_the_same():
+    """Two screens share a header: the second screen's header is not recognised again, and each screen reads
+    exactly as a reader that never saw the other reads it."""
+    first, _ = page([("Shop Home Cart", (10, 10)), ("Blue teapot", (10, 100))])
+    second, _ = page([("Shop Home Cart", (10, 10)), ("Green kettle", (10, 100))])
+    reader = OcrReader()
+    lines = [reader.read(first), reader.read(second)]
+    assert (reader.line_memo.recognised, reader.line_memo.remembered) == (3, 1)
+    assert lines == [OcrReader().read(first), OcrReader().read(second)]
+    header = lines[1][0]
+    assert header.text == "Shop Home Cart" and [w.text for w in header.words] == ["Shop", "Home", "Cart"]
+
+
 def test_a_forgotten_screen_is_read_again_and_the_others_are_not(tmp_path):
     """What `datasets expire` does for the screenshots it removes: their readings go, in memory and in the
     database, and no other screen's."""
