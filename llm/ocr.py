@@ -311,7 +311,8 @@ class OcrReader:
         with self._making:
             if self._engines.empty() and self._made < (os.cpu_count() or 1):
                 self._made += 1
-                self._engines.put(_Paddle(*self._paddle_dirs) if self.backend == "paddleocr" else _Rapid(self.line_memo))
+                made = _Paddle(*self._paddle_dirs) if self.backend == "paddleocr" else _Rapid(self.line_memo)
+                self._engines.put(made)
         engine = self._engines.get()
         try:
             yield engine
