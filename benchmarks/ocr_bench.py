@@ -3,7 +3,7 @@
 The screens are a replay night's (reference-replay policy, rule critics, template writers: no model), in
 the shards and the order the grounding stage reads them (an OCR series per shard, page by page). The
 readers run in this process, memory only, on the same PNGs: every screen whole with rapidocr's own
-settings and with the configured ones, then incrementally. Agreement: of the whole reads' lines, words
+settings and with the configured ones (which remember text lines read before: `LineMemo`), then incrementally. Agreement: of the whole reads' lines, words
 and characters, the share the incremental read also has with the same text and a box overlapping it at
 IoU 0.5 or more.
 
@@ -15,11 +15,13 @@ Without --warehouse it runs the night first (about two minutes on 2 cores). Prin
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from PIL import Image
 from rapidocr import RapidOCR
 
 from trajforge.llm.ocr import OcrLine, OcrReader, OcrSpan
@@ -35,15 +37,22 @@ from factory_bench import CONFIG, night  # the factory bench's night, not a copy
 def read_all(reader: OcrReader, shards: list[list[bytes]], incremental: bool
              ) -> tuple[float, list[tuple[OcrLine, ...]]]:
     """Every screen read as grounding reads them: a series per shard."""
-    reader.read(shards[-1][-1])  # load the models outside the timing (a screen read again later is a miss:
-    reader._memory.clear()  # the memory is cleared and there is no database)
-    reader.engine_runs = reader.region_reads = 0
+    reader.read(blank(shards[-1][-1]))  # load the models outside the timing, on a screen with no text (so
+    reader.engine_runs = reader.region_reads = 0  # no reading nor text line is remembered from it)
     start = time.perf_counter()
     out = []
     for shard in shards:
         series = reader.series(incremental)
         out += [series.read(png) for png in shard]
     return time.perf_counter() - start, out
+
+
+def blank(png: bytes) -> bytes:
+    """A white PNG of the screen's size."""
+    with Image.open(io.BytesIO(png)) as image:
+        out = io.BytesIO()
+        Image.new("RGB", image.size, "white").save(out, format="PNG")
+    return out.getvalue()
 
 
 def agreement(whole: list[OcrSpan] | list[OcrLine], part: list[OcrSpan] | list[OcrLine]) -> tuple[int, int]:
@@ -76,7 +85,8 @@ def main() -> None:
     with stock._engine() as engine:  # the reader's one engine, given rapidocr's own settings: the baseline
         engine.engine = RapidOCR(params={"Global.log_level": "error"})
     stock_s, stock_lines = read_all(stock, pngs, incremental=False)
-    whole_s, whole = read_all(OcrReader(), pngs, incremental=False)
+    whole_reader = OcrReader()
+    whole_s, whole = read_all(whole_reader, pngs, incremental=False)
     diff_reader = OcrReader()
     diff_s, diff = read_all(diff_reader, pngs, incremental=True)
 
@@ -94,7 +104,10 @@ def main() -> None:
             shares.append(f"{sum(m for m, _ in matched) / max(sum(t for _, t in matched), 1):.3f}")
         print(f"| {name} | {seconds / count:.3f} | {part} of {count} | {seconds / stock_s:.2f} | "
               f"{' / '.join(shares)} |")
-    print("\nagreement: of the whole read's lines, words and characters, the share found with the same text at "
+    memo = whole_reader.line_memo
+    print(f"\nwhole reads as configured: {memo.remembered} of {memo.recognised + memo.remembered} text lines "
+          "the same to the pixel as one read before, not recognised again (llm.ocr.LineMemo)")
+    print("agreement: of the whole read's lines, words and characters, the share found with the same text at "
           "IoU >= 0.5")
 
 
