@@ -3,9 +3,9 @@
 The screens are a replay night's (reference-replay policy, rule critics, template writers: no model), in
 the shards and the order the grounding stage reads them (an OCR series per shard, page by page). The
 readers run in this process, memory only, on the same PNGs: every screen whole with rapidocr's own
-settings and with the configured ones (which remember text lines read before: `LineMemo`), then incrementally. Agreement: of the whole reads' lines, words
-and characters, the share the incremental read also has with the same text and a box overlapping it at
-IoU 0.5 or more.
+settings and with the configured ones (which remember text lines read before: `LineMemo`), then
+incrementally. Agreement: of the whole reads' lines, words and characters, the share the incremental read
+also has with the same text and a box overlapping it at IoU 0.5 or more.
 
     python benchmarks/ocr_bench.py [--warehouse DIR] [--apps shop] [--queries 2]
 
