@@ -146,7 +146,7 @@ class LineMemo:
     again. With one line a recognition pass (`_RAPID_PARAMS`) a line's reading depends on its pixels alone,
     so a screen's reading is the same with the memo as without it, box for box and score for score (39
     screens of a replay night compared), and the engine id does not change. Those 39 screens (2026-12-05,
-    2 cores): 167 of 457 lines remembered, 21.9 s against 27.1 s. One memo serves a reader's engines (the
+    2 cores): 167 of 457 lines remembered, 22.3 s against 27.4 s. One memo serves a reader's engines (the
     threads that read at once); the oldest line is forgotten past `size` (a line is a few hundred bytes)."""
 
     def __init__(self, size: int = 20_000) -> None:
