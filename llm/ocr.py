@@ -206,21 +206,24 @@ class _RememberingRecognizer:
 class _OpenVinoDetector:
     """rapidocr's text detection model compiled by OpenVINO, called as rapidocr calls its onnxruntime session.
 
-    On one thread OpenVINO runs the detector about 3 times faster than onnxruntime: 39 screens of a replay
-    night (2026-12-05, 2 cores) 0.19 against 0.59 s a screen, the recogniser 0.25 against 0.23 s (so it
-    stays on onnxruntime); a whole read 15.0 against 31.9 s for the 39. The readings are the same, line,
-    box, score, word and character (39 screens compared), so the engine id and every cached reading stay
-    valid. Its precision is pinned to f32: on a CPU with AMX OpenVINO's default is bf16 (0.11 s a screen),
-    whose boxes move by up to 5 px and whose texts differ on 3 of the 39 screens, so a reading would
-    depend on the machine."""
+    On one thread OpenVINO runs the detector as fast as onnxruntime or, on some CPUs, 3 times faster: 39
+    screens of a replay night on an Intel machine with AMX (2026-12-05, 2 cores) 0.19 against 0.59 s a
+    screen, a whole read 15.0 against 31.9 s for the 39; on an AMD EPYC (2026-12-06) 0.22 against 0.25 s.
+    The recogniser gained nothing (0.25 against 0.23 s), so it stays on onnxruntime. The readings are the
+    same, line, box, score, word and character (39 screens compared), so the engine id and every cached
+    reading stay valid. Its precision is pinned to f32: where the CPU has bf16 instructions, OpenVINO's
+    default is bf16 (0.11-0.12 s a screen), whose boxes moved by up to 5 px and whose texts differed on 3 of
+    the 39 screens, so a reading would depend on the machine. Its threads are not pinned: pinned, every
+    engine's one thread went to the same core, and two shards reading at once took 0.23 s a screen, as one
+    after another (unpinned 0.13, onnxruntime 0.14)."""
 
     def __init__(self, model: Path) -> None:
         try:
             import openvino
         except ImportError as exc:
             raise OcrBackendMissing(f"OCR backend rapidocr needs openvino ({exc}): {INSTALL}") from exc
-        compiled = openvino.Core().compile_model(
-            str(model), "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+        config = {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32", "ENABLE_CPU_PINNING": False}
+        compiled = openvino.Core().compile_model(str(model), "CPU", config)
         self._request = compiled.create_infer_request()
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
