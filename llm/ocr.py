@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import sqlalchemy as sa
@@ -42,6 +42,9 @@ from trajforge.llm.local import INSTALL
 from trajforge.llm.messages import ImagePart, Message, TextPart
 from trajforge.llm.ocr_diff import Rect, changed_tiles, reading_order, regions, shifted
 from trajforge.schemas.config import SynthSettings
+
+if TYPE_CHECKING:
+    from rapidocr import RapidOCR
 
 Box = tuple[float, float, float, float]
 """x, y, width, height in pixels of the image."""
@@ -231,15 +234,21 @@ class _OpenVinoDetector:
         return self._request.get_output_tensor().data.copy()  # the request reuses its buffer on the next call
 
 
+def _rapidocr_on_onnxruntime() -> tuple[RapidOCR, Path]:
+    """rapidocr as configured here, every model on onnxruntime as rapidocr runs them, and its detection model's
+    file."""
+    try:
+        import rapidocr
+    except ImportError as exc:
+        raise OcrBackendMissing(f"OCR backend rapidocr is not installed ({exc}): {INSTALL}") from exc
+    detector = Path(rapidocr.__file__).parent / "models" / _RAPID_DET_MODEL
+    params = {"Global.log_level": "error", "Det.model_path": str(detector), **_RAPID_PARAMS}
+    return rapidocr.RapidOCR(params=params), detector
+
+
 class _Rapid:
     def __init__(self, memo: LineMemo) -> None:
-        try:
-            import rapidocr
-        except ImportError as exc:
-            raise OcrBackendMissing(f"OCR backend rapidocr is not installed ({exc}): {INSTALL}") from exc
-        detector = Path(rapidocr.__file__).parent / "models" / _RAPID_DET_MODEL
-        self.engine = rapidocr.RapidOCR(params={"Global.log_level": "error", "Det.model_path": str(detector),
-                                                **_RAPID_PARAMS})
+        self.engine, detector = _rapidocr_on_onnxruntime()
         # rapidocr loads its models on first use: load them now, the detector's session (onnxruntime, 40 ms)
         # replaced by OpenVINO's and the memo put in front of the recogniser
         self.engine._load_det_model().session = _OpenVinoDetector(detector)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,8 +83,8 @@ def test_a_line_read_before_is_remembered_and_reads_the_same():
 def test_openvino_finds_the_lines_onnxruntime_finds():
     """The detector runs on OpenVINO, not on rapidocr's own onnxruntime session, under the same engine id: so
     every reading cached before (and on any machine) must be the one the onnxruntime detector gives."""
-    rapidocr = pytest.importorskip("rapidocr")
-    from trajforge.llm.ocr import _RAPID_DET_MODEL, _RAPID_PARAMS, LineMemo, _OpenVinoDetector, _Rapid
+    pytest.importorskip("rapidocr")
+    from trajforge.llm.ocr import LineMemo, _OpenVinoDetector, _Rapid, _rapidocr_on_onnxruntime
 
     png, _ = page([("Search products", (12, 8)), ("Blue teapot $12.50", (30, 60)),
                    ("Add to cart", (300, 120)), ("Sign in · Help", (12, 164))], background="#f4f4f0")
@@ -93,8 +92,7 @@ def test_openvino_finds_the_lines_onnxruntime_finds():
     engine = _Rapid(LineMemo())
     assert isinstance(engine.engine._load_det_model().session, _OpenVinoDetector)
     on_openvino = engine(rgb)
-    model = str(Path(rapidocr.__file__).parent / "models" / _RAPID_DET_MODEL)
-    onnx = rapidocr.RapidOCR(params={"Global.log_level": "error", "Det.model_path": model, **_RAPID_PARAMS})
+    onnx, _ = _rapidocr_on_onnxruntime()
     engine.engine._load_det_model().session = onnx._load_det_model().session
     assert len(on_openvino) == 4 and on_openvino[0].text == "Search products"
     assert engine(rgb) == on_openvino
