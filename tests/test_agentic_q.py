@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from scripted import ScriptedServer, completion
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from test_llm_failures import ScriptedServer
+from starlette.responses import Response
 
 from trajforge.data.catalog import Lineage
 from trajforge.llm.workspace import Workspace
@@ -61,9 +61,7 @@ class Policy(ScriptedServer):
         point = [50, 50] if self.same else [[50, 50], [52, 48], [150, 150], [300, 300]][seed % 4]
         call = {"name": "mobile_use", "arguments": {"action": "click", "coordinate": point}}
         text = f"<thinking>look</thinking>\n<conclusion>tap</conclusion>\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
-        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+        return completion(text)
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scripted import ScriptedServer, completion, message_text, notes_workspace
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from test_llm_failures import ScriptedServer
+from starlette.responses import Response
 
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.structured import ThinkAnswer
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
-from trajforge.schemas.config import CESSettings, Settings
+from trajforge.schemas.config import CESSettings
 from trajforge.schemas.records import Step
 from trajforge.synth import ces
 from trajforge.synth.match import match
@@ -79,20 +79,14 @@ class CESServer(ScriptedServer):
 
     def asked(self, role: str) -> list[str]:
         """The user texts of the requests whose system prompt names `role`."""
-        return [_text(r["body"]["messages"][-1]) for r in self.requests if role in _text(r["body"]["messages"][0])]
+        return [message_text(r["body"]["messages"][-1]) for r in self.requests
+                if role in message_text(r["body"]["messages"][0])]
 
     async def _completions(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append({"body": body})
-        text = self.answer(_text(body["messages"][0]), _text(body["messages"][-1]), body.get("seed"))
-        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
-
-
-def _text(message: dict[str, Any]) -> str:
-    content = message["content"]
-    return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
+        return completion(self.answer(message_text(body["messages"][0]), message_text(body["messages"][-1]),
+                                      body.get("seed")))
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +96,7 @@ def model():
 
 
 def workspace(root: Path, url: str, *, cache: bool = True, **settings: Any) -> Workspace:
-    return Workspace.open(Settings(
-        warehouse={"path": root / "wh"},
-        query_gen={"apps": ["notes"], "num_queries": 2, "atomic_per_app": 1, "deep_search_apps": []},
-        rollout={"policy": "replay", "contexts": 2},
-        llm={"endpoints": {"m": {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10}},
-             "default": "m", "reask": 0, "cache": cache},
-        synth={"writer": "model"},
-        ces={"steps_per_shard": 100} | settings,
-    ))
+    return notes_workspace(root, url, cache=cache, synth={"writer": "model"}, ces={"steps_per_shard": 100} | settings)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +221,7 @@ def test_coordinator_groups_score_each_instruction_through_the_executor(scored):
 
 
 def _asked(requests: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
-    return [r for r in requests if role in _text(r["body"]["messages"][0])]
+    return [r for r in requests if role in message_text(r["body"]["messages"][0])]
 
 
 def test_state_tracker_groups_exist_for_every_step_after_the_first(scored):

@@ -21,7 +21,7 @@ import networkx as nx
 import pytest
 from conftest import ScriptedPolicy, require
 from PIL import Image
-from test_llm_failures import Reply, ScriptedServer
+from scripted import Reply, ScriptedServer
 
 from trajforge.critics.annotate import BOX_COLOR, POINT_COLOR, RING_RADIUS, annotate
 from trajforge.critics.stage import EpisodeUnit, checker_for, judge

@@ -1,4 +1,4 @@
-"""Failures of an OpenAI-compatible endpoint, injected by a scripted server on loopback.
+"""Failures of an OpenAI-compatible endpoint, injected by a scripted server on loopback (tests/scripted.py).
 
 The scripted server is the one stand-in in these tests, and only for what a real model
 server cannot be made to do on demand: 429, 500, a timeout, a malformed body, a
@@ -12,21 +12,14 @@ import asyncio
 import json
 import logging
 import os
-import threading
-import time
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 from typing import Any, Literal
 
 import pytest
 import sqlalchemy as sa
-import uvicorn
 from pydantic import BaseModel
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from scripted import GOOD, Reply, ScriptedServer
 
 from trajforge.data.catalog import Lineage
 from trajforge.llm import ChatResult, Gateway, GatewayError, Sampling, load_prompt
@@ -46,81 +39,6 @@ messages:
 class Judgement(BaseModel):
     label: Literal["GOOD", "HARMFUL"]
     reason: str
-
-
-GOOD = '{"label": "GOOD", "reason": "fine"}'
-
-
-@dataclass(frozen=True)
-class Reply:
-    text: str = GOOD
-    status: int = 200
-    delay: float = 0.0
-    raw: str | None = None
-    finish_reason: str = "stop"
-    headers: dict[str, str] | None = None
-
-
-class ScriptedServer:
-    """Answers each request with the next scripted reply (the last one repeats) and remembers what it got."""
-
-    def __init__(self, *replies: Reply) -> None:
-        self.replies = list(replies)
-        self.requests: list[dict[str, Any]] = []
-        self.in_flight = 0
-        self.max_in_flight = 0
-        app = Starlette(routes=[Route("/v1/chat/completions", self._completions, methods=["POST"])])
-        self._server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1)
-        )
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    async def _completions(self, request: Request) -> Response:
-        self.requests.append({"headers": dict(request.headers), "body": await request.json(), "at": time.monotonic()})
-        reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(reply.delay)
-        finally:
-            self.in_flight -= 1
-        if reply.status != 200:
-            return JSONResponse(
-                {"error": {"message": f"scripted {reply.status}", "type": "scripted"}}, status_code=reply.status,
-                headers=reply.headers,
-            )
-        if reply.raw is not None:
-            return Response(reply.raw, media_type="application/json")
-        return JSONResponse(
-            {
-                "id": "scripted",
-                "object": "chat.completion",
-                "created": 0,
-                "model": "scripted",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": reply.text},
-                        "finish_reason": reply.finish_reason,
-                    }
-                ],
-                "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
-            }
-        )
-
-    def __enter__(self) -> ScriptedServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "scripted server did not start"
-            time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/v1"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
 
 
 def endpoint(url: str, **overrides: Any) -> dict[str, Any]:

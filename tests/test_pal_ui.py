@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scripted import ScriptedServer, completion, message_parts, message_text, notes_workspace
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from test_llm_failures import ScriptedServer
+from starlette.responses import Response
 
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.workspace import Workspace
@@ -70,19 +70,9 @@ class TeacherServer(ScriptedServer):
     async def _completions(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append({"body": body})
-
-        def parts(message: dict[str, Any]) -> list[dict[str, Any]]:
-            content = message["content"]
-            return [{"type": "text", "text": content}] if isinstance(content, str) else content
-
-        def text(message: dict[str, Any]) -> str:
-            return " ".join(p["text"] for p in parts(message) if p["type"] == "text")
-
-        name, reply = self.answer(text(body["messages"][0]), text(body["messages"][-1]))
-        self.asked.append((name, sum(p["type"] == "image_url" for m in body["messages"] for p in parts(m))))
-        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+        name, reply = self.answer(message_text(body["messages"][0]), message_text(body["messages"][-1]))
+        self.asked.append((name, sum(p["type"] == "image_url" for m in body["messages"] for p in message_parts(m))))
+        return completion(reply)
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +82,7 @@ def model():
 
 
 def workspace(root: Path, url: str, *, cache: bool = True, **pal: Any) -> Workspace:
-    return Workspace.open(Settings(
-        warehouse={"path": root / "wh"},
-        query_gen={"apps": ["notes"], "num_queries": 2, "atomic_per_app": 1, "deep_search_apps": []},
-        rollout={"policy": "replay", "contexts": 2},
-        llm={"endpoints": {"m": {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10,
-                                   "vision": True}},
-             "default": "m", "reask": 0, "cache": cache},
-        pal_ui={"steps_per_shard": 3} | pal,
-    ))
+    return notes_workspace(root, url, cache=cache, vision=True, pal_ui={"steps_per_shard": 3} | pal)
 
 
 @pytest.fixture(scope="module")

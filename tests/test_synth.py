@@ -17,9 +17,9 @@ from typing import Any
 import polars as pl
 import pytest
 from PIL import Image
+from scripted import ScriptedServer, completion, message_text, notes_workspace
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from test_llm_failures import ScriptedServer
+from starlette.responses import Response
 
 from trajforge.critics.annotate import POINT_COLOR, annotate
 from trajforge.data.catalog import Lineage, commit_key
@@ -28,7 +28,6 @@ from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
-from trajforge.schemas.config import Settings
 from trajforge.schemas.stage import config_hash
 from trajforge.synth import grounding, planning, reasoning, semantics
 from trajforge.tasks.runner import run_inline
@@ -89,16 +88,7 @@ class ModelServer(ScriptedServer):
     async def _completions(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append({"body": body})
-
-        def text(message: dict[str, Any]) -> str:
-            content = message["content"]
-            return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
-
-        system = text(body["messages"][0])
-        user = text(body["messages"][-1])
-        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": self.answer(system, user)},
-             "finish_reason": "stop"}], "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+        return completion(self.answer(message_text(body["messages"][0]), message_text(body["messages"][-1])))
 
 
 @pytest.fixture(scope="module")
@@ -108,15 +98,9 @@ def model():
 
 
 def workspace(root: Path, url: str, *, cache: bool = True, **synth: Any) -> Workspace:
-    return Workspace.open(Settings(
-        warehouse={"path": root / "wh"},
-        query_gen={"apps": ["notes"], "num_queries": 2, "atomic_per_app": 1, "deep_search_apps": []},
-        rollout={"policy": "replay", "contexts": 2},
-        llm={"endpoints": {"m": {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10}},
-             "default": "m", "reask": 0, "cache": cache},
-        synth={"rephrase_per_shard": 2, "regions_per_shard": 1, "described_per_shard": 1, "semantics_votes": 2,
-               "manual_trials": 1} | synth,
-    ))
+    return notes_workspace(root, url, cache=cache, synth={
+        "rephrase_per_shard": 2, "regions_per_shard": 1, "described_per_shard": 1, "semantics_votes": 2,
+        "manual_trials": 1} | synth)
 
 
 @pytest.fixture(scope="module")
