@@ -109,8 +109,7 @@ def notes_workspace(root: Path, url: str, *, cache: bool = True, vision: bool = 
     """A workspace in `root` whose nights generate queries for the notes app (two page-graph and one atomic),
     replay them on 2 contexts and ask the scripted server at `url`; `sections` are more settings (`synth`,
     `ces`, `pal_ui`, ...)."""
-    endpoint = {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10} | ({"vision": True}
-                                                                                            if vision else {})
+    endpoint = {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 10, "vision": vision}
     return Workspace.open(Settings(
         warehouse={"path": root / "wh"},
         query_gen={"apps": ["notes"], "num_queries": 2, "atomic_per_app": 1, "deep_search_apps": []},
