@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import re
+import reprlib
 import sys
 import tempfile
 import threading
@@ -44,6 +45,8 @@ from trajforge.flows import prefect_server
 from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, has_path, load_settings
 
 if TYPE_CHECKING:
+    import polars as pl
+
     from trajforge.llm.workspace import Workspace
     from trajforge.schemas.stage import StageDef
 
@@ -164,6 +167,12 @@ def _stages() -> dict[str, StageDef[Workspace, Any]]:
     return stages()
 
 
+def _no_version(table: str) -> str:
+    """The error for a table with no version yet, naming the commands that would write its first."""
+    writers = [f"`trajforge run {name}`" for name, stage in _stages().items() if table in stage.writes]
+    return f"table {table!r} has no version yet; {' or '.join(writers) or '`trajforge run nightly`'} writes it"
+
+
 class _RunCommand(TyperCommand):
     """`run`, whose help lists the stages: loaded when the help is shown."""
 
@@ -273,7 +282,7 @@ def run(
                 if table != reads:
                     raise _fail(f"stage {stage!r} reads {reads!r}, not {table!r}")
                 if input_snapshot is None:
-                    raise _fail(f"table {reads!r} has no version yet; run the stage that writes it first")
+                    raise _fail(_no_version(reads))
             identity = run_identity(stage, settings, str(input_snapshot))
             run_ = ws.ledger.open_run(stage, identity, fresh=fresh)
             call = STAGE_FLOWS[stage](input_snapshot=input_snapshot, run_id=run_.run_id, config=cfg)
@@ -341,21 +350,63 @@ def datasets_show(
     columns: Annotated[str | None, typer.Option(help="Comma-separated columns to print.")] = None,
     config: ConfigOpt = None,
 ) -> None:
-    """A version's lineage and its first rows."""
+    """A version's lineage and its first rows: as a table where they fit the terminal, else one line per column
+    (polars' glimpse), since most tables have more columns than a terminal is wide."""
     import polars as pl
 
     _, ws = _open(config)
     with _usage_errors():
         table, snapshot = ws.catalog.resolve(ref)
+        if snapshot is None:
+            raise _fail(_no_version(table))
         frame = ws.catalog.load(table, snapshot)
-    lineage = ws.catalog.lineage(table, snapshot) if snapshot is not None else None
-    console.print(f"[bold]{table}@{snapshot}[/]: {frame.height} rows, {frame.width} columns")
-    if lineage is not None:
-        console.print_json(lineage.model_dump_json())
     if columns:
-        frame = frame.select([c.strip() for c in columns.split(",")])
-    with pl.Config(tbl_rows=limit, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200):
-        console.print(str(frame.head(limit)), highlight=False)
+        names = [c.strip() for c in columns.split(",")]
+        if unknown := [c for c in names if c not in frame.columns]:
+            raise _fail(f"{table} has no column named {' or '.join(map(repr, unknown))}; its columns: "
+                        + ", ".join(frame.columns))
+        frame = frame.select(names)
+    console.print(f"[bold]{table}@{snapshot}[/]: {frame.height} rows, {frame.width} columns")
+    if (lineage := ws.catalog.lineage(table, snapshot)) is not None:  # None: not written by a stage
+        console.print_json(lineage.model_dump_json())
+    head = frame.head(limit)
+    if head.is_empty():
+        console.print("no rows; columns: " + ", ".join(f"{n} ({t})" for n, t in frame.schema.items()),
+                      markup=False, highlight=False)
+        return
+    with pl.Config(tbl_rows=limit, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=10_000):
+        shown = str(head)
+    if max(map(len, shown.splitlines())) > console.width:
+        shown = _by_column(head, console.width)
+    console.print(shown, markup=False, highlight=False, soft_wrap=True)  # values hold brackets: no markup
+
+
+class _Short(reprlib.Repr):
+    """A value cut to fit a line: a long string shortened in its middle, an image's bytes shown by their size,
+    a time as ISO 8601."""
+
+    def __init__(self) -> None:
+        super().__init__()  # keyword arguments only from Python 3.12
+        self.maxstring, self.maxother, self.maxlist = 60, 60, 4
+
+    def repr_bytes(self, value: bytes, level: int) -> str:
+        return f"<{len(value):,} bytes>"
+
+    def repr_datetime(self, value: datetime, level: int) -> str:
+        return value.isoformat(" ", "seconds")
+
+
+def _by_column(frame: pl.DataFrame, width: int) -> str:
+    """A frame too wide for the terminal, one line per column: its name, type and values, each value and each
+    line cut to fit (an accessibility tree or a list of screenshots is long)."""
+    short = _Short()
+    name_width = max(map(len, frame.columns))
+    type_width = max(len(str(t)) for t in frame.schema.values())
+    lines = []
+    for name, dtype in frame.schema.items():
+        line = f"{name:<{name_width}}  {dtype!s:<{type_width}}  " + ", ".join(map(short.repr, frame[name].to_list()))
+        lines.append(line if len(line) <= width else line[: width - 1] + "…")
+    return "\n".join(lines)
 
 
 @datasets.command("diff")

@@ -119,6 +119,15 @@ def test_view_of_an_unknown_run_is_a_usage_error(tmp_path: Path, trajforge_cli: 
     assert proc.stdout == "" and proc.stderr.startswith("error:")
 
 
+def test_a_table_with_no_version_names_the_stages_that_write_it(tmp_path: Path, trajforge_cli: str) -> None:
+    """Before any night, `datasets show` and a stage whose input is empty say what to run, not an empty frame."""
+    for args in (("datasets", "show", "steps"), ("run", "grounding")):
+        proc = run(trajforge_cli, tmp_path, *args)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stdout == "" and proc.stderr == (
+            "error: table 'steps' has no version yet; `trajforge run reference` or `trajforge run rollout` writes it\n")
+
+
 def test_export_of_an_unknown_format_is_a_usage_error(tmp_path: Path, trajforge_cli: str) -> None:
     pytest.importorskip("trajforge.synth.handoff")
     proc = run(trajforge_cli, tmp_path, "export", "train_e2e@latest", "--format", "nope", "--out", "out")

@@ -251,6 +251,29 @@ def test_tag_show_and_diff(two_nights, trajforge_cli):
     assert re.search(r"\+\d+ -0", diff.stdout), diff.stdout
 
 
+def test_show_prints_a_wide_version_one_line_per_column_cut_to_the_terminal(two_nights, trajforge_cli):
+    """`steps` has 28 columns and accessibility trees thousands of characters long: a table of them squeezed into
+    a terminal shows nothing, so each column gets its own line, the long values cut in the middle and an image
+    by its size; a narrow selection stays a table, and a column the table lacks is named with those it has."""
+    cwd, _, _ = two_nights
+    columns = workspace(cwd).catalog.latest("steps")[0].columns
+    shown = cli(trajforge_cli, cwd, "datasets", "show", "steps", "--limit", "2").stdout.splitlines()
+    lines = {line.split()[0]: line for line in shown if line and line.split()[0] in columns}
+    assert set(lines) == set(columns), shown
+    assert all(len(line) <= 200 for line in lines.values())  # the helper's COLUMNS
+    assert lines["ax_tree_before"].count("...") == 2 and "RootWebArea" in lines["ax_tree_before"]
+    assert re.fullmatch(r"step_index\s+Int64\s+0, 1", lines["step_index"])
+    images = [line for line in cli(trajforge_cli, cwd, "datasets", "show", "train_grounding", "--limit", "1")
+              .stdout.splitlines() if line.startswith("images ")]
+    assert images and re.search(r"\[<[\d,]+ bytes>\]$", images[0]), images
+    narrow = cli(trajforge_cli, cwd, "datasets", "show", "steps", "--columns", "step_index,action_type").stdout
+    assert re.search(r"│ step_index ┆ action_type │", narrow), narrow
+    proc = subprocess.run([trajforge_cli, "datasets", "show", "steps", "--columns", "step_index,app"], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: steps has no column named 'app'; its columns: run_id, step_id"), proc.stderr
+
+
 def test_invalid_config_fails_before_any_work(tmp_path, trajforge_cli):
     (tmp_path / "trajforge.yaml").write_text("rollout:\n  contxts: 2\n")
     proc = subprocess.run([trajforge_cli, "run", "nightly"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
