@@ -606,7 +606,8 @@ def export_cmd(
 
 @app.command()
 def view(
-    target: Annotated[str, typer.Argument(help="A run id (its episodes) or an episode id.")],
+    target: Annotated[str | None, typer.Argument(
+        help="A run id (its episodes) or an episode id (default: the run of the newest episode).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Folder (default: WAREHOUSE/views/TARGET).")] = None,
     config: ConfigOpt = None,
 ) -> None:

@@ -59,11 +59,13 @@ class EpisodeView:
     final_image: str | None = None
 
 
-def build_viewer(ws: Workspace, target: str, out: Path | None = None) -> Path:
-    """Write the site for `target` (a run id: its episodes; or an episode id) and return its index.html.
+def build_viewer(ws: Workspace, target: str | None = None, out: Path | None = None) -> Path:
+    """Write the site for `target` (a run id: its episodes; or an episode id; None: the latest run, `latest_run`)
+    and return its index.html.
 
     Default folder: `<warehouse>/views/<target>/`. Rebuilding into the same folder rewrites the pages and
     keeps the images already there (they are named by content)."""
+    target = target if target is not None else latest_run(ws)
     episodes = _episodes(ws, target)
     out = Path(out) if out is not None else ws.catalog.warehouse / "views" / _safe(target)
     (out / "img").mkdir(parents=True, exist_ok=True)
@@ -83,6 +85,17 @@ def build_viewer(ws: Workspace, target: str, out: Path | None = None) -> Path:
     index.write_text(env.get_template("index").render(target=target, views=views, options=options, style=_STYLE),
                      encoding="utf-8")
     return index
+
+
+def latest_run(ws: Workspace) -> str:
+    """The run that started the newest episode (a run id names its kind, nightly or a stage, before its start
+    time, so ids do not sort by time across kinds)."""
+    newest = (ws.catalog.scan("episodes").sort("started_at", "episode_id").select("run_id").last().collect()
+              if "episodes" in ws.catalog.tables() else pl.DataFrame())
+    if newest.height == 0:
+        raise ViewError("the warehouse has no episodes yet; `trajforge run nightly` (or `trajforge run rollout`) "
+                        "writes them")
+    return newest.item()
 
 
 def _episodes(ws: Workspace, target: str) -> list[Episode]:
@@ -205,11 +218,12 @@ _TEMPLATES = {
 {% endfor %}
 <span id="shown">{{ views|length }} of {{ views|length }} episodes shown</span></p>
 <table id="episodes">
-<thead><tr><th>episode</th><th>app</th><th>instruction</th><th>source</th><th>verdict</th><th>steps</th>
-<th>status</th></tr></thead>
+<thead><tr><th>episode</th><th>app</th><th>viewport</th><th>instruction</th><th>source</th><th>verdict</th>
+<th>steps</th><th>status</th></tr></thead>
 <tbody>
 {% for v in views %}<tr data-app="{{ v.episode.app }}" data-verdict="{{ v.verdict }}" data-source="{{ v.source }}">
-<td><a href="{{ v.page }}">{{ v.episode.episode_id }}</a></td><td>{{ v.episode.app }}</td><td>{{ v.instruction }}</td>
+<td><a href="{{ v.page }}">{{ v.episode.episode_id }}</a></td><td>{{ v.episode.app }}</td>
+<td>{{ v.episode.viewport }}</td><td>{{ v.instruction }}</td>
 <td>{{ v.source }}</td><td class="{{ v.verdict }}">{{ v.verdict }}</td><td>{{ v.episode.num_steps }}</td>
 <td>{{ v.episode.status }}</td></tr>
 {% endfor %}</tbody></table>

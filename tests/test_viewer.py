@@ -159,6 +159,27 @@ def test_a_typed_password_is_never_shown(crafted, tmp_path):
     assert "<b>Groceries</b>" not in pages["index.html"] and "&lt;b&gt;Groceries&lt;/b&gt;" in pages["index.html"]
 
 
+def test_without_a_target_the_run_of_the_newest_episode_is_shown(night, tmp_path):
+    """Run ids start with their kind (`nightly-`, `rollout-`), so the newest run is found by its episodes' start
+    times, not by sorting ids: here the newer run's id sorts first."""
+    ws, run_id = night
+    older, newer = ws.catalog.load("episodes").filter(pl.col("run_id") == run_id).sort("started_at").head(2)[
+        "episode_id"].to_list()
+    runs = {older: "rollout-20991231T000000", newer: "nightly-20000101T000000"}
+    mine = workspace(tmp_path / "two-runs")
+    for table in ("episodes", "steps"):
+        rows = ws.catalog.load(table).filter(pl.col("episode_id").is_in(list(runs))).to_dicts()
+        for row in rows:
+            row["run_id"] = runs[row["episode_id"]]
+        mine.catalog.commit_rows(table, rows, Lineage(stage="test", run_id="made", commit_key=f"two-runs-{table}",
+                                                      config_hash="x", code_version="x"))
+    index = build_viewer(mine)
+    assert index == mine.catalog.warehouse / "views" / runs[newer] / "index.html"
+    assert newer in index.read_text() and older not in index.read_text()
+    with pytest.raises(ViewError, match=r"no episodes yet; `trajforge run nightly`"):
+        build_viewer(workspace(tmp_path / "empty"))
+
+
 def test_an_unknown_target_says_what_is_accepted_and_writes_nothing(night, tmp_path):
     ws, run_id = night
     with pytest.raises(ViewError, match=rf"no run or episode 'nope'.*run id.*{run_id}.*episode id"):
