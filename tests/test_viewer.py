@@ -171,6 +171,9 @@ def test_without_a_target_the_run_of_the_newest_episode_is_shown(night, tmp_path
         rows = ws.catalog.load(table).filter(pl.col("episode_id").is_in(list(runs))).to_dicts()
         for row in rows:
             row["run_id"] = runs[row["episode_id"]]
+            for shot in ("screenshot_before", "screenshot_after"):
+                if shot in row:  # the pages show the screenshots, so they travel with the steps
+                    mine.blobs.put(ws.blobs.get(row[shot]))
         mine.catalog.commit_rows(table, rows, Lineage(stage="test", run_id="made", commit_key=f"two-runs-{table}",
                                                       config_hash="x", code_version="x"))
     index = build_viewer(mine)
