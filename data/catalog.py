@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 from urllib.parse import unquote, urlparse
 
 import polars as pl
@@ -113,6 +113,10 @@ class CatalogError(Exception):
 
 class UnknownRef(CatalogError, LookupError):
     """A table, snapshot or tag that does not exist; the message names the ref."""
+
+
+class UnknownColumn(CatalogError, LookupError):
+    """A column a table does not have; the message names the table and lists its columns."""
 
 
 class CorruptData(CatalogError):
@@ -645,11 +649,23 @@ class Catalog:
         assert tbl is not None
         return pl.scan_iceberg(tbl, snapshot_id=snapshot_id)
 
-    def load(self, ref_or_table: str, version: int | str | None = None) -> pl.DataFrame:
-        """One version read into memory; a data file that cannot be read is named (CorruptData)."""
+    def load(self, ref_or_table: str, version: int | str | None = None, *, columns: Sequence[str] | None = None,
+             limit: int | None = None) -> pl.DataFrame:
+        """One version read into memory, or only its `columns` and first `limit` rows (read as such, not cut
+        from the whole: a look at a large table stays small); a data file that cannot be read is named
+        (CorruptData)."""
         name, snapshot_id = self.resolve(self._ref(ref_or_table, version))
+        frame = self._scan(name, snapshot_id)
+        if columns is not None:
+            have = frame.collect_schema().names()
+            if unknown := [c for c in columns if c not in have]:
+                raise UnknownColumn(f"{name} has no column named {' or '.join(map(repr, unknown))}; its columns: "
+                                    + ", ".join(have))
+            frame = frame.select(columns)
+        if limit is not None:
+            frame = frame.head(limit)
         try:
-            return self._scan(name, snapshot_id).collect()
+            return frame.collect()
         except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
             raise self._corruption(name, snapshot_id, exc) from exc
 

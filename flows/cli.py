@@ -359,19 +359,15 @@ def datasets_show(
         table, snapshot = ws.catalog.resolve(ref)
         if snapshot is None:
             raise _fail(_no_version(table))
-        frame = ws.catalog.load(table, snapshot)
-    if columns:
-        names = [c.strip() for c in columns.split(",")]
-        if unknown := [c for c in names if c not in frame.columns]:
-            raise _fail(f"{table} has no column named {' or '.join(map(repr, unknown))}; its columns: "
-                        + ", ".join(frame.columns))
-        frame = frame.select(names)
-    console.print(f"[bold]{table}@{snapshot}[/]: {frame.height} rows, {frame.width} columns")
-    if (lineage := ws.catalog.lineage(table, snapshot)) is not None:  # None: not written by a stage
-        console.print_json(lineage.model_dump_json())
-    head = frame.head(limit)
+        names = [n for c in columns.split(",") if (n := c.strip())] if columns else None
+        # Only what is shown is read: a version of a million steps with their trees would not fit in memory.
+        head = ws.catalog.load(table, snapshot, columns=names, limit=limit)
+        version = next(v for v in ws.catalog.history(table) if v.snapshot_id == snapshot)
+    console.print(f"[bold]{table}@{snapshot}[/]: {version.total_rows} rows, {head.width} columns")
+    if version.lineage is not None:  # None: not written by a stage
+        console.print_json(version.lineage.model_dump_json())
     if head.is_empty():
-        console.print("no rows; columns: " + ", ".join(f"{n} ({t})" for n, t in frame.schema.items()),
+        console.print("no rows; columns: " + ", ".join(f"{n} ({t})" for n, t in head.schema.items()),
                       markup=False, highlight=False)
         return
     with pl.Config(tbl_rows=limit, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=10_000):

@@ -22,6 +22,7 @@ from trajforge.data.catalog import (
     CatalogError,
     CorruptData,
     Lineage,
+    UnknownColumn,
     UnknownRef,
     Withdrawal,
     _Transaction,
@@ -459,3 +460,24 @@ def test_concurrent_commits_from_two_processes(postgres_url: str, tmp_path: Path
     finally:
         cat.close()
         _purge_postgres(postgres_url, name)
+
+
+def test_a_look_at_a_version_reads_only_the_columns_and_rows_it_shows(catalog: Catalog) -> None:
+    """`datasets show` and notebooks look at the first rows of versions too large to load: the last file, here
+    damaged, is not even opened for them."""
+    folder = catalog.data_dir("steps")
+    shards = []
+    for shard in range(3):
+        path = folder / f"shard-{shard}.parquet"
+        pq.write_table(to_arrow("steps", [step_row(f"s{shard}-{i}") for i in range(4)]), path)
+        shards.append(path)
+    catalog.commit_files("steps", shards, lineage("rollout-1", stage="rollout"))
+    shards[2].write_bytes(shards[2].read_bytes()[:100])
+
+    head = catalog.load("steps", columns=["step_id", "action_type"], limit=3)
+    assert head.columns == ["step_id", "action_type"]
+    assert head["step_id"].to_list() == ["s0-0", "s0-1", "s0-2"]
+    with pytest.raises(CorruptData, match="shard-2.parquet"):
+        catalog.load("steps")
+    with pytest.raises(UnknownColumn, match=r"steps has no column named 'app'; its columns: run_id, step_id"):
+        catalog.load("steps", columns=["step_id", "app"])
