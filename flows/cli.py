@@ -359,7 +359,7 @@ def datasets_show(
         table, snapshot = ws.catalog.resolve(ref)
         if snapshot is None:
             raise _fail(_no_version(table))
-        names = [n for c in columns.split(",") if (n := c.strip())] if columns else None
+        names = [n for c in (columns or "").split(",") if (n := c.strip())] or None  # none named: every column
         # Only what is shown is read: a version of a million steps with their trees would not fit in memory.
         head = ws.catalog.load(table, snapshot, columns=names, limit=limit)
         version = next(v for v in ws.catalog.history(table) if v.snapshot_id == snapshot)
