@@ -277,6 +277,32 @@ def _count(snapshot: Snapshot, key: str) -> int:
     return int((snapshot.summary[key] if snapshot.summary is not None else None) or 0)
 
 
+def _tags(table: Table) -> dict[int, list[str]]:
+    """The tag names on each snapshot of the table."""
+    tags: dict[int, list[str]] = defaultdict(list)
+    for ref_name, ref in table.metadata.refs.items():
+        if ref.snapshot_ref_type == SnapshotRefType.TAG:
+            tags[ref.snapshot_id].append(ref_name)
+    return tags
+
+
+def _info(snap: Snapshot, tags: dict[int, list[str]]) -> SnapshotInfo:
+    """A snapshot as `Catalog.history` lists it: rows added and removed leave out those a withdrawal carried."""
+    summary = snap.summary
+    return SnapshotInfo(
+        snapshot_id=snap.snapshot_id,
+        committed_at=datetime.fromtimestamp(snap.timestamp_ms / 1000, tz=timezone.utc),
+        operation=summary.operation.value if summary is not None else "unknown",
+        stage=summary[STAGE_KEY] if summary is not None else None,
+        run_id=summary[RUN_ID_KEY] if summary is not None else None,
+        added_rows=_count(snap, "added-records") - _count(snap, CARRIED_KEY),
+        total_rows=_count(snap, "total-records"),
+        removed_rows=_count(snap, "deleted-records") - _count(snap, CARRIED_KEY),
+        tags=sorted(tags.get(snap.snapshot_id, [])),
+        lineage=snapshot_lineage(snap),
+    )
+
+
 def _find_commit(table: Table, commit_key: str) -> int | None:
     """The snapshot that already carries this commit key, if any (idempotent resume)."""
     for snapshot in table.metadata.snapshots:
@@ -690,28 +716,18 @@ class Catalog:
         tbl = self._existing(table, table)
         if tbl is None:
             return []
-        tags: dict[int, list[str]] = defaultdict(list)
-        for ref_name, ref in tbl.metadata.refs.items():
-            if ref.snapshot_ref_type == SnapshotRefType.TAG:
-                tags[ref.snapshot_id].append(ref_name)
-        infos = []
-        for snap in sorted(tbl.metadata.snapshots, key=lambda s: (s.timestamp_ms, s.sequence_number or 0)):
-            summary = snap.summary
-            infos.append(
-                SnapshotInfo(
-                    snapshot_id=snap.snapshot_id,
-                    committed_at=datetime.fromtimestamp(snap.timestamp_ms / 1000, tz=timezone.utc),
-                    operation=summary.operation.value if summary is not None else "unknown",
-                    stage=summary[STAGE_KEY] if summary is not None else None,
-                    run_id=summary[RUN_ID_KEY] if summary is not None else None,
-                    added_rows=_count(snap, "added-records") - _count(snap, CARRIED_KEY),
-                    total_rows=_count(snap, "total-records"),
-                    removed_rows=_count(snap, "deleted-records") - _count(snap, CARRIED_KEY),
-                    tags=sorted(tags.get(snap.snapshot_id, [])),
-                    lineage=snapshot_lineage(snap),
-                )
-            )
-        return infos
+        tags = _tags(tbl)
+        return [_info(snap, tags) for snap in sorted(tbl.metadata.snapshots,
+                                                      key=lambda s: (s.timestamp_ms, s.sequence_number or 0))]
+
+    def info(self, table: str, snapshot_id: int) -> SnapshotInfo:
+        """One version's row counts, tags and lineage (as `history` gives it), without building every other
+        version's: a table of a year of nights has hundreds."""
+        tbl = self._existing(table, table)
+        snap = tbl.snapshot_by_id(snapshot_id) if tbl is not None else None
+        if snap is None:
+            raise LookupError(f"table {table!r} has no version {snapshot_id}")
+        return _info(snap, _tags(tbl))
 
     def latest(self, table: str) -> tuple[pl.DataFrame, int | None]:
         """Every row of a table's latest version (an empty frame before its first), and that version's id."""

@@ -218,7 +218,7 @@ def _summary(ws: Workspace, snapshots: dict[str, int], tag: str | None) -> None:
     for col in ("table", "rows added", "rows total", "snapshot", "tag"):
         table.add_column(col, justify="right" if col.startswith("rows") else "left", no_wrap=True)
     for name, snapshot in snapshots.items():
-        info = next(i for i in ws.catalog.history(name) if i.snapshot_id == snapshot)
+        info = ws.catalog.info(name, snapshot)
         table.add_row(name, str(info.added_rows), str(info.total_rows), str(snapshot), tag or "")
     console.print(table)
     console.print(f"warehouse: {ws.settings.warehouse.path.resolve()}")
@@ -362,7 +362,7 @@ def datasets_show(
         names = [n for c in (columns or "").split(",") if (n := c.strip())] or None  # none named: every column
         # Only what is shown is read: a version of a million steps with their trees would not fit in memory.
         head = ws.catalog.load(table, snapshot, columns=names, limit=limit)
-        version = next(v for v in ws.catalog.history(table) if v.snapshot_id == snapshot)
+        version = ws.catalog.info(table, snapshot)
     console.print(f"[bold]{table}@{snapshot}[/]: {version.total_rows} rows, {head.width} columns")
     if version.lineage is not None:  # None: not written by a stage
         console.print_json(version.lineage.model_dump_json())

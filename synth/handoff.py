@@ -284,7 +284,7 @@ def write_card(out: Path, catalog: Catalog, table: str, snapshot: int, *, rows: 
                extra: Sequence[str] = ()) -> Path:
     """`out/README.md`: a Hugging Face dataset card saying which version this is, what is in it, where it came
     from and under which licences, so a model trained on it can be traced back and published honestly."""
-    info = next((i for i in catalog.history(table) if i.snapshot_id == snapshot), None)
+    info = catalog.info(table, snapshot)
     lineage = catalog.lineage(table, snapshot)
     frame = catalog.scan(table, snapshot)
     columns = frame.collect_schema().names()
@@ -293,8 +293,8 @@ def write_card(out: Path, catalog: Catalog, table: str, snapshot: int, *, rows: 
     front = {"license": "other", "license_name": "mixed-see-licence-notes", "pretty_name": f"trajforge {table}",
              "task_categories": ["image-text-to-text"], "tags": ["gui-agent", "trajforge", table, fmt]}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {table}", "",
-             f"- version: snapshot {snapshot}; tags: {', '.join(info.tags) if info and info.tags else 'none'}"
-             + (f"; committed {info.committed_at.isoformat()}" if info else ""),
+             f"- version: snapshot {snapshot}; tags: {', '.join(info.tags) or 'none'}; "
+             f"committed {info.committed_at.isoformat()}",
              f"- format: {fmt}", f"- rows: {rows}"]
     lines += [_mix(data, c, "") for c in MIX_COLUMNS if c in columns]
     lines += _upstream_mix(catalog, table, data, links, lineage)

@@ -255,6 +255,10 @@ def test_history_lists_versions_with_lineage(catalog: Catalog) -> None:
     assert catalog.lineage("queries", first) == lin1
     assert catalog.lineage("queries").commit_key == "qg-2"  # type: ignore[union-attr]
     assert catalog.history("steps") == []
+    # One version's entry alone, as `datasets show` and a dataset card read it.
+    assert catalog.info("queries", first) == history[0] and catalog.info("queries", second) == history[1]
+    with pytest.raises(LookupError, match="no version 12345"):
+        catalog.info("queries", 12345)
 
 
 def test_overwrite_is_one_version(catalog: Catalog) -> None:
