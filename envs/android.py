@@ -224,7 +224,7 @@ class AndroidEnv:
         if not hits:
             return None
         n = min(hits, key=lambda n: n.box[2] * n.box[3])
-        return Element(n.role, n.name, n.box)
+        return Element(n.role, secrets.mask(n.name), n.box)  # masked, as the observation's names are
 
     def app_state(self) -> dict[str, Any]:
         """The foreground activity and every probe's output: what a task checker reads."""

@@ -174,7 +174,9 @@ class EnvFault(RuntimeError):
     or other."""
 
     def __init__(self, message: str, kind: FaultKind = "other") -> None:
-        super().__init__(message)
+        # Masked (`secrets.mask`): a message names the page's live URL, where a form sent by GET carries what was
+        # typed, and it reaches the episode's `fault`, a dropped row's reason and the log.
+        super().__init__(secrets.mask(message))
         self.kind: FaultKind = kind
 
 
@@ -210,7 +212,9 @@ class Observation:
         # URL, and a secret typed into a field that is not a password field (a key, a one-time code) is in the
         # tree as that field's value and wherever the page echoes it, and so on the screenshot, where the
         # boxes of those nodes are covered. A secret shown in pieces (split by markup, typed a character a box)
-        # is masked piece by piece (`secrets.mask_pieces`). `nodes` keep it for live code.
+        # is masked piece by piece (`secrets.mask_pieces`). `nodes` and `focused` are masked too: a policy
+        # names what it sees (the random policy's thought, a model's click target, the step's target) and query
+        # generation writes the names it crawls into queries.
         object.__setattr__(self, "url", secrets.mask(self.url))
         object.__setattr__(self, "title", secrets.mask(self.title))
         names, named = secrets.mask_pieces([n.name for n in self.nodes])
@@ -219,9 +223,14 @@ class Observation:
         tree = render([replace(n, name=names[i], value=values[i]) if i in pieces else n
                        for i, n in enumerate(self.nodes)] if pieces else self.nodes)
         masked = secrets.mask(tree)
-        object.__setattr__(self, "ax_tree", masked)
         if pieces or masked != tree:  # rare: only then is each node's text looked at
             object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes(pieces)))
+            object.__setattr__(self, "nodes", tuple(replace(n, name=secrets.mask(names[i]), value=secrets.mask(values[i]))
+                                                    for i, n in enumerate(self.nodes)))
+            if self.focused is not None:
+                object.__setattr__(self, "focused", replace(self.focused, name=secrets.mask(self.focused.name)))
+            masked = secrets.mask(render(self.nodes))
+        object.__setattr__(self, "ax_tree", masked)
 
     def _secret_boxes(self, pieces: set[int]) -> list[PixelBox]:
         """The boxes of the nodes whose text shows a secret, or a piece of one (the indices in `pieces`). A node
@@ -930,11 +939,11 @@ class BrowserEnv:
             role = cdp_value(node.get("role")) or ""
             name = str(cdp_value(node.get("name")) or "").strip()
             box = layout.boxes.get(node.get("backendDOMNodeId", -1))
-            if not node.get("ignored"):
+            if not node.get("ignored"):  # the name masked, as the observation's are: it is the step's target
                 if role in INTERACTIVE_ROLES:
-                    return Element(role, name, box)
+                    return Element(role, secrets.mask(name), box)
                 if fallback is None and name and role not in ("RootWebArea", "InlineTextBox"):
-                    fallback = Element("text" if role == "StaticText" else role, name, box)
+                    fallback = Element("text" if role == "StaticText" else role, secrets.mask(name), box)
             node = by_ax_id.get(node.get("parentId", ""))
         return fallback
 

@@ -45,12 +45,26 @@ def _set() -> list[tuple[str, str]]:
             for name, value in os.environ.items() if name.startswith(VARIABLE_PREFIX) and value]
 
 
+def url_forms(value: str) -> tuple[str, ...]:
+    """`value` and the ways a URL carries it, each once: as a browser sends a form by GET (WHATWG's
+    application/x-www-form-urlencoded: `*` kept, a space as `+`, `~` as `%7E`), as a page's script builds a query
+    (`encodeURIComponent`: `!~*'()` kept) and a path (`%20`), and as Python's `quote_plus` writes it. Python's
+    own forms alone missed a secret holding `*` or `~` in a URL the browser wrote."""
+    return tuple(dict.fromkeys((
+        value,
+        quote_plus(value, safe="*").replace("~", "%7E"),
+        quote(value, safe="!~*'()"),
+        quote(value, safe=""),
+        quote_plus(value),
+    )))
+
+
 def mask(text: str) -> str:
     """`text` with the value of every secret set in this process replaced by its placeholder: for what an app
     answers or shows outside the screen (a user's app may echo what was typed into it, a form sent by GET puts
-    it in the URL). The value is also found URL-encoded, as a query string or a path carries it."""
+    it in the URL). The value is also found URL-encoded, in each of `url_forms`."""
     for placeholder, value in _set():
-        for form in dict.fromkeys((value, quote_plus(value), quote(value, safe=""))):
+        for form in url_forms(value):
             text = text.replace(form, placeholder)
     return text
 

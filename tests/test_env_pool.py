@@ -433,8 +433,8 @@ def test_a_secret_shown_in_pieces_is_masked_and_covered_piece_by_piece(
     assert [shown[f"Digit {i}"].value for i in range(1, 5)] == ["<secret>one_time_code</secret>"] * 4
     assert "S3CR3T" not in seen.ax_tree and "481-" not in seen.ax_tree, seen.ax_tree
     assert seen.ax_tree.count("<secret>recovery_code</secret>") == 2  # each run of text holds its piece's place
-    pieces = [n.box for n in seen.nodes if n.name in ("Your recovery code: 481-", "S3CR3T")
-              or n.name.startswith("Digit")]
+    assert not any("S3CR3T" in n.name or "481-" in n.name or n.value.isdigit() for n in seen.nodes)  # nodes too
+    pieces = [n.box for n in seen.nodes if "<secret>recovery_code</secret>" in n.name or n.name.startswith("Digit")]
     image = Image.open(io.BytesIO(seen.png)).convert("RGB")
     assert len(pieces) == 6 and all(
         box is not None and image.crop((box[0], box[1], box[0] + box[2], box[1] + box[3])).getcolors()
@@ -454,8 +454,11 @@ def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_mas
         pool: EnvPool, server: AppServer, shop: BundledApp, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bundled app answers on a new port every night: the same steps on two servers of the shop record the same
     URLs, its paths. A secret typed into a form sent by GET is in the live URL, URL-encoded, and in no
-    observation's URL, tree or app state; a page on another origin keeps its whole URL."""
-    secret = "harbor Tide@8312"  # a space and an @: the query string carries "harbor+Tide%408312"
+    observation's URL, tree, nodes or app state, nor in a click's target or a fault's message; a page on another
+    origin keeps its whole URL."""
+    # A space, a *, a ~ and an @: the browser's query string carries "harbor+*Tide%7E%408312", which Python's
+    # quote_plus would write "harbor+%2ATide~%408312".
+    secret = "harbor *Tide~@8312"
     monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", secret)
     env = pool.envs[0]
     seen: list[list[str]] = []
@@ -467,14 +470,22 @@ def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_mas
             assert env.act({"type": "click", "x": x + w / 2, "y": y + h / 2}) is None
             assert env.act({"type": "type", "text": "<secret>account_password</secret>"}) is None
             assert env.act({"type": "key", "keys": ["Enter"]}) is None
-            assert "harbor+Tide%408312" in env.url  # the live page's URL, what the app answered
+            assert "harbor+*Tide%7E%408312" in env.url  # the live page's URL, what the app answered
+            assert "harbor" not in str(EnvFault(f"the page did not load ({env.url})"))  # a fault's message names it
             searched = env.observe()
             # A plain field: the value is in the tree (the search box, the results' heading), masked.
-            assert "harbor Tide@8312" not in searched.ax_tree and searched.ax_tree.count(
+            assert "harbor" not in searched.ax_tree and searched.ax_tree.count(
                 "<secret>account_password</secret>") >= 2, searched.ax_tree
-            assert "harbor Tide@8312" not in json.dumps(env.app_state())  # the recorder's report of the field
+            assert not any("harbor" in n.name or "harbor" in n.value for n in searched.nodes)
+            assert "harbor" not in json.dumps(env.app_state())  # the recorder's report of the field
+            # A click on the results' heading: the step's target, as the recorder reads it, is masked.
+            heading = next(n for n in searched.nodes if n.role == "heading" and "<secret>" in n.name)
+            assert heading.box is not None
+            target = env.element_at(heading.box[0] + heading.box[2] / 2, heading.box[1] + heading.box[3] / 2)
+            assert target is not None and "<secret>account_password</secret>" in target.name, target
             # ... and on the screenshot, where those nodes are, covered
-            shown = [n.box for n in searched.nodes if (secret in n.name or secret in n.value) and n.box is not None]
+            shown = [n.box for n in searched.nodes if "<secret>account_password</secret>" in n.name + n.value
+                     and n.box is not None]
             image = Image.open(io.BytesIO(searched.png)).convert("RGB")
             assert len(shown) >= 2 and all(image.crop((x, y, x + w, y + h)).getcolors() == [(w * h, (0, 0, 0))]
                                            for x, y, w, h in shown)
