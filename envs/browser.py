@@ -225,8 +225,9 @@ class Observation:
         masked = secrets.mask(tree)
         if pieces or masked != tree:  # rare: only then is each node's text looked at
             object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes(pieces)))
-            object.__setattr__(self, "nodes", tuple(replace(n, name=secrets.mask(names[i]), value=secrets.mask(values[i]))
-                                                    for i, n in enumerate(self.nodes)))
+            nodes = tuple(replace(n, name=secrets.mask(names[i]), value=secrets.mask(values[i]))
+                          for i, n in enumerate(self.nodes))
+            object.__setattr__(self, "nodes", nodes)
             if self.focused is not None:
                 object.__setattr__(self, "focused", replace(self.focused, name=secrets.mask(self.focused.name)))
             masked = secrets.mask(render(self.nodes))
