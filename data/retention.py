@@ -17,7 +17,10 @@ asked (`collect_checkpoints`: weights cost a training run to make again), and ne
 (the next night's policy) nor one the config names; their rows stay in the `checkpoints` table.
 
 What an unfinished run may still commit is never removed: files younger than the cutoff, and
-the shard files the run ledger lists for runs not finished (a crashed run resumes from them).
+the shard files the run ledger lists for runs not finished (a crashed run resumes from them). Nor
+what it has committed so far, with the versions those were made from: its rerun finds each commit
+by its key and reads its later stages' inputs by version id, so an expired one would be committed
+a second time (an overwrite table would roll back to it) or stop the rerun.
 Run under the warehouse's writer lock, so no run writes meanwhile. `dry_run` lists only.
 """
 
@@ -34,9 +37,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import Snapshot
 
 from trajforge.data.blobs import SHA256, BlobStore
-from trajforge.data.catalog import Catalog, metadata_files, referenced_files, snapshot_lineage
+from trajforge.data.catalog import RUN_ID_KEY, Catalog, metadata_files, referenced_files, snapshot_lineage
 from trajforge.data.ledger import Ledger
 
 
@@ -92,6 +96,11 @@ def _old(path: Path, cutoff: datetime) -> bool:
     return datetime.fromtimestamp(max(p.stat().st_mtime for p in paths), tz=timezone.utc) < cutoff
 
 
+def _run_of(snapshot: Snapshot) -> str | None:
+    """The run that committed the snapshot (None: not a stage's commit)."""
+    return snapshot.summary[RUN_ID_KEY] if snapshot.summary is not None else None
+
+
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
@@ -116,8 +125,10 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
     cutoff = (now or datetime.now(timezone.utc)) - older_than
     cutoff_ms = int(cutoff.timestamp() * 1000)
     pending = {Path(p) for p in ledger.unfinished_files()}
+    unfinished = ledger.unfinished_runs()
     tables = {name: catalog.iceberg.load_table((catalog.namespace, name)) for name in catalog.tables()}
-    keep = {name: _protected(tbl) | {s.snapshot_id for s in tbl.metadata.snapshots if s.timestamp_ms >= cutoff_ms}
+    keep = {name: _protected(tbl) | {s.snapshot_id for s in tbl.metadata.snapshots
+                                     if s.timestamp_ms >= cutoff_ms or _run_of(s) in unfinished}
             for name, tbl in tables.items()}
     # A kept version's lineage names the versions it was made from: they stay, so it can be explained and rerun.
     grown = True

@@ -108,6 +108,26 @@ def test_a_version_a_kept_version_was_made_from_is_kept(tmp_path: Path) -> None:
     assert Catalog(tmp_path / "warehouse").load("queries", first)["query_id"].to_list() == ["q1"]
 
 
+def test_what_an_unfinished_run_committed_stays_so_its_rerun_commits_it_once(tmp_path: Path) -> None:
+    """A run committed its queries (an overwrite table) and died before its next stage; another run moved queries
+    on, then expire ran. The unfinished run's version stays: its rerun finds it by its commit key and commits
+    nothing again (had it gone, queries@latest would have rolled back to it). Once the run is finished it may go."""
+    catalog = Catalog(tmp_path / "warehouse")
+    blobs, ledger = BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri)
+    crashed = ledger.open_run("nightly", "crashed").run_id
+    ours = catalog.commit_rows("queries", [query_row("q1")], lineage("ours", run_id=crashed), mode="overwrite")
+    catalog.commit_rows("queries", [query_row("q2")], lineage("theirs", run_id="another"), mode="overwrite")
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+
+    assert expire(catalog, blobs, ledger, timedelta(0), now=later).snapshots == {}
+    fresh = Catalog(tmp_path / "warehouse")
+    assert fresh.commit_rows("queries", [query_row("q1")], lineage("ours", run_id=crashed), mode="overwrite") == ours
+    assert fresh.load("queries@latest")["query_id"].to_list() == ["q2"]
+
+    ledger.finish_run(crashed, {})
+    assert expire(fresh, blobs, ledger, timedelta(0), now=later).snapshots == {"queries": [ours]}
+
+
 def test_expire_keeps_what_is_younger_than_the_cutoff(tmp_path: Path) -> None:
     catalog = Catalog(tmp_path / "warehouse")
     blobs = BlobStore(catalog.warehouse / "blobs")
