@@ -720,6 +720,12 @@ class Catalog:
         return [_info(snap, tags) for snap in sorted(tbl.metadata.snapshots,
                                                       key=lambda s: (s.timestamp_ms, s.sequence_number or 0))]
 
+    def find_commit(self, table: str, key: str) -> int | None:
+        """The version committed with this commit key (`commit_key`), if the table has it: whether a stage's
+        commit landed, when the run's ledger could not hear of it."""
+        tbl = self._existing(table, table)
+        return _find_commit(tbl, key) if tbl is not None else None
+
     def info(self, table: str, snapshot_id: int) -> SnapshotInfo:
         """One version's row counts, tags and lineage (as `history` gives it), without building every other
         version's: a table of a year of nights has hundreds."""

@@ -134,6 +134,13 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
     records = ws.ledger.shards_done(run_id, stage.name)
     done = {r.shard_id for r in records}
     if done - plan.shard_ids:
+        landed = {table: version for table in stage.writes
+                  if (version := ws.catalog.find_commit(table, commit_key(run_id, stage.name, table))) is not None}
+        if len(landed) == len(stage.writes):
+            # Every table landed and the process died before the ledger heard of it; the stage's loader reads its
+            # own output (train's checkpoints), so it plans otherwise now. What landed is the whole stage.
+            ws.ledger.mark_committed(run_id, stage.name, landed, once_hash=plan.once_hash, unit_keys=plan.unit_keys)
+            return landed
         # a loader that counted this run's own first table commit as earlier work planned fewer units
         raise RuntimeError(f"stage {stage.name!r}: the ledger holds {len(done - plan.shard_ids)} shard(s) this "
                            "plan does not have: the stage's inputs changed since they ran")

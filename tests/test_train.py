@@ -14,9 +14,13 @@ import pytest
 from conftest import REPLAY_NIGHT_CONFIG, require
 from test_pipeline import by_policy, cli, workspace
 
+from trajforge.data.catalog import Lineage, commit_key
+from trajforge.flows.stages import stages
 from trajforge.llm.local import missing_models, smollm2_folder
+from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ConfigError, LocalModelSettings, load_settings
 from trajforge.synth.handoff import SFT_TABLES
+from trajforge.tasks.runner import commit, plan, run_shard
 from trajforge.train.stage import folder_hash
 
 pytestmark = pytest.mark.browser
@@ -126,3 +130,27 @@ def test_the_trainer_command_is_checked_when_the_config_loads(tmp_path):
     path.write_text("loop:\n  trainer: 'swift sft --dataset {dataset} --output_dir {out}'\n")
     with pytest.raises(ConfigError, match=r"loop.trainer.*unknown \['dataset'\]"):
         load_settings(path)
+
+
+def test_a_train_stage_that_died_after_its_commit_finishes_on_rerun_without_training_again(trained, monkeypatch):
+    """Last in this file, as it registers a second checkpoint. The process died after the stage's checkpoint was
+    committed and before the ledger heard of it. The chain's latest checkpoint is now the stage's own, the base a
+    new plan would train from: the rerun sees the night trained (a checkpoint of its chain on the same data),
+    trains nothing, and finishes the stage with the version that landed (it used to fail on every rerun)."""
+    (trained / "trajforge.yaml").write_text(CONFIG + "  train_tables: [train_e2e]\n")
+    monkeypatch.chdir(trained)
+    ws = Workspace.open(load_settings(trained / "trajforge.yaml"))
+    stage = stages()["train"]
+    run_id = ws.ledger.open_run("train", "died after its commit").run_id
+    first = plan(stage, ws, run_id, None)
+    (shard,) = first.pending
+    run_shard(first, shard, ws)
+    (record,) = ws.ledger.shards_done(run_id, "train")
+    landed = ws.catalog.commit_files("checkpoints", record.files["checkpoints"], Lineage(
+        stage="train", run_id=run_id, commit_key=commit_key(run_id, "train", "checkpoints"), config_hash="x",
+        code_version="x"))
+
+    again = plan(stage, ws, run_id, None)
+    assert again.pending == [] and again.input_stats["nights already trained on (their checkpoint is registered)"]
+    assert commit(again, ws) == {"checkpoints": landed} == ws.ledger.committed(run_id, "train")
+    assert ws.catalog.load("checkpoints").height == 2  # the night's, and this stage's once

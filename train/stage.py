@@ -99,16 +99,21 @@ def night_tables(ws: Workspace, snapshot: int | None) -> tuple[dict[str, int], C
 
 
 def load_night(ws: Workspace, snapshot: int | None) -> Inputs[TrainUnit]:
-    """The one training run of a night, or none when a checkpoint is registered for the same data and base."""
+    """The one training run of a night, or none when its chain has a checkpoint trained on the same data.
+
+    Known by the data, not by the base: the base is the chain's latest checkpoint, which after a crash between
+    this stage's commit and the ledger's mark is the night's own, and a rerun asked to train on it again."""
     versions, stats = night_tables(ws, snapshot)
-    base = policy_model(ws)
-    unit = TrainUnit(versions=versions, base=base, base_model_id=ws.gateway.backend(base).model_id,
-                     root_model_id=root_model_id(ws))
-    snapshots = dict(versions)
-    if ws.catalog.load("checkpoints").filter(pl.col("model_id").str.ends_with(unit.name)).height:
+    root = root_model_id(ws)
+    trained_on = [f"{t}@{v}" for t, v in sorted(versions.items())]
+    done = ws.catalog.load("checkpoints").filter(
+        (pl.col("root_model_id") == root) & (pl.col("trained_on").list.join(",") == ",".join(trained_on)))
+    if done.height:
         stats["nights already trained on (their checkpoint is registered)"] += 1
-        return Inputs([], snapshots, fingerprint=unit.name, stats=stats)
-    return Inputs([unit], snapshots, fingerprint=unit.name, stats=stats)
+        return Inputs([], dict(versions), fingerprint=done["model_id"][0], stats=stats)
+    base = policy_model(ws)
+    unit = TrainUnit(versions=versions, base=base, base_model_id=ws.gateway.backend(base).model_id, root_model_id=root)
+    return Inputs([unit], dict(versions), fingerprint=unit.name, stats=stats)
 
 
 def base_folder(ws: Workspace, name: str) -> str:
