@@ -42,7 +42,7 @@ from typer.core import TyperCommand
 
 import trajforge.flows  # noqa: F401  (sets Prefect's environment defaults before Prefect is imported)
 from trajforge.flows import prefect_server
-from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, has_path, load_settings
+from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, has_path, load_settings, redact
 
 if TYPE_CHECKING:
     import polars as pl
@@ -51,17 +51,6 @@ if TYPE_CHECKING:
     from trajforge.schemas.stage import StageDef
 
 EXPORT_FORMATS = ("ms-swift", "llamafactory", "hf", "verl")  # for --help; synth.handoff.FORMATS decides
-
-# scheme://user:PASSWORD@host and password=PASSWORD (libpq's key=value form), as driver messages quote them.
-_URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^\s@]*@")
-_KV_PASSWORD = re.compile(r"(password\s*=\s*)[^\s'\"]+", re.IGNORECASE)
-
-
-def _redact(text: str) -> str:
-    """`text` with the passwords of URLs and connection strings masked: every error and every shown value
-    passes through here, since a database driver's message may quote the URL it failed to reach."""
-    return _KV_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
-
 
 class _App(typer.Typer):
     """The root command: an exception no command handled is a failure at run time, printed as one line."""
@@ -97,7 +86,7 @@ ConfigOpt = Annotated[
 
 
 def _error(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(_redact(message))}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False, soft_wrap=True)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -119,7 +108,7 @@ def _shown_url(url: str) -> str:
     try:
         return sa.engine.make_url(url).render_as_string(hide_password=True)
     except sa.exc.ArgumentError:
-        return _redact(url)
+        return redact(url)
 
 
 def _open(config: Path | None, models: bool = False) -> tuple[Settings, Workspace]:
@@ -658,7 +647,7 @@ def _shown(value: Any) -> str:
     if isinstance(value, SecretStr):
         secret = value.get_secret_value()
         value = _shown_url(secret) if "://" in secret else "**********"
-    return _redact(json.dumps(to_jsonable_python(value)))
+    return redact(json.dumps(to_jsonable_python(value)))
 
 
 def _source(parts: tuple[str, ...], data: dict[str, Any], path: Path | None, env: dict[str, str]) -> str:

@@ -37,7 +37,7 @@ from tenacity.wait import wait_base
 from trajforge.llm.calls import Completion, Enforcement, Sampling
 from trajforge.llm.messages import ImagePart, Message
 from trajforge.llm.structured import Constraint
-from trajforge.schemas.config import EndpointSettings
+from trajforge.schemas.config import EndpointSettings, redact
 
 logger = logging.getLogger(__name__)
 
@@ -170,14 +170,11 @@ class OpenAIBackend:
                 response = await self._retry(send, first, attempts)
         # The client lets the JSONDecodeError of a malformed body through: it is the server's fault, recorded alike.
         except (openai.OpenAIError, json.JSONDecodeError) as exc:
-            raise BackendError(
-                f"endpoint {self.name} ({self.settings.base_url}): {type(exc).__name__}: {exc}", attempts[0]
-            ) from exc
+            raise BackendError(self._shown(f"endpoint {self.name} ({self.settings.base_url}): "
+                                           f"{type(exc).__name__}: {exc}"), attempts[0]) from exc
         if not isinstance(response, ChatCompletion) or not response.choices:
-            raise BackendError(
-                f"endpoint {self.name} ({self.settings.base_url}) answered no chat completion: {str(response)[:200]}",
-                attempts[0],
-            )
+            raise BackendError(self._shown(f"endpoint {self.name} ({self.settings.base_url}) answered no chat "
+                                           f"completion: {str(response)[:200]}"), attempts[0])
         choice = response.choices[0]
         usage = response.usage
         return Completion(
@@ -207,15 +204,20 @@ class OpenAIBackend:
                 response = await send()
         return response
 
+    def _shown(self, text: str) -> str:
+        """An error's text without the endpoint's key or a password in a URL: it reaches the log, the call's record
+        (a row's dropped reason, lineage). A server may quote the key it refused; a base_url may carry one."""
+        key = self._api_key.get_secret_value() if self._api_key else ""
+        return redact(text.replace(key, "***") if key else text)
+
     def _log_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         wait = state.next_action.sleep if state.next_action else 0.0
         logger.warning(
-            "endpoint %s: attempt %d failed (%s: %s); retrying in %.2f s",
+            "endpoint %s: attempt %d failed (%s); retrying in %.2f s",
             self.name,
             state.attempt_number,
-            type(exc).__name__,
-            exc,
+            self._shown(f"{type(exc).__name__}: {exc}"),
             wait,
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import string
 import typing
 from collections.abc import Iterator
@@ -36,6 +37,18 @@ ENV_PREFIX = "TRAJFORGE_"
 _NOT_SETTINGS = {"TRAJFORGE_CONFIG", "TRAJFORGE_REQUIRE_SERVICES"}
 SECRET_PREFIX = "TRAJFORGE_SECRET_"
 """Secrets typed into apps (`envs.secrets`): read only where they are typed, never settings."""
+
+
+_URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^\s@]*@")
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)[^\s'\"]+", re.IGNORECASE)
+"""scheme://user:PASSWORD@host and password=PASSWORD (libpq's key=value form), as driver messages quote them."""
+
+
+def redact(text: str) -> str:
+    """`text` with the passwords of URLs and connection strings masked: every error the CLI prints and every value
+    it shows passes through here, since a database driver's message may quote the URL it failed to reach, and so
+    does an endpoint's error, which names its base_url."""
+    return _KV_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
 
 
 class ConfigError(ValueError):

@@ -81,9 +81,11 @@ class ScriptedServer:
         finally:
             self.in_flight -= 1
         if reply.status != 200:
+            # A refused key is quoted back, as some servers do ("Incorrect API key provided: sk-...").
+            key = request.headers.get("authorization", "").removeprefix("Bearer ") if reply.status == 401 else ""
             return JSONResponse(
-                {"error": {"message": f"scripted {reply.status}", "type": "scripted"}}, status_code=reply.status,
-                headers=reply.headers,
+                {"error": {"message": f"scripted {reply.status}" + (f": key {key} refused" if key else ""),
+                           "type": "scripted"}}, status_code=reply.status, headers=reply.headers,
             )
         if reply.raw is not None:
             return Response(reply.raw, media_type="application/json")
