@@ -90,6 +90,9 @@ MAX_DOM_MATCHES = 50
 """Elements a `dom` selector keeps in the final state (a list page may match hundreds)."""
 MAX_TEXT = 2000
 """Characters of an element's text a `dom` selector keeps."""
+_TEXT_MARGIN = 1024
+"""Characters the page hands over beyond MAX_TEXT, so a secret that runs across the cut is masked whole before the
+text is cut (cut first, its first part stayed)."""
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -495,6 +498,15 @@ _DOM_JS = """([selectors, max, maxText]) => Object.fromEntries(selectors.map(s =
 """The elements each selector matches, as the checks read them (a password field's value is never read)."""
 
 
+def kept_dom(found: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """What `_DOM_JS` found, as the final state keeps it: secrets masked, then each text cut to MAX_TEXT."""
+    dom = secrets.mask_json(found)
+    for matches in dom.values():
+        for match in matches:
+            match["text"] = match["text"][:MAX_TEXT]
+    return dom
+
+
 def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str, Any]:
     """The episode's final state: URL, title, accessibility tree (the last observation's), the state requests'
     answers, the selectors' elements and, once there is one, the recorder's reports (`ui_events`). A request that
@@ -510,7 +522,7 @@ def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str,
         except json.JSONDecodeError as exc:
             answers[name] = {"error": f"{request.method} {request.path} answered no JSON ({exc})"}
     selectors = app.selectors()
-    dom = env.evaluate(_DOM_JS, [selectors, MAX_DOM_MATCHES, MAX_TEXT]) if selectors else {}
+    dom = kept_dom(env.evaluate(_DOM_JS, [selectors, MAX_DOM_MATCHES, MAX_TEXT + _TEXT_MARGIN]) if selectors else {})
     events: list[dict[str, Any]] = []
     for body in env.take_reports():
         try:
@@ -518,7 +530,7 @@ def capture(env: BrowserEnv, app: AppDir, last: Observation | None) -> dict[str,
         except ValueError:
             continue  # not the recorder's (the app's own page posting to the same path): nothing to judge
     state = {"url": secrets.mask(env.url), "title": last.title if last else "",
-             "ax_tree": last.ax_tree if last else "", "http": answers, "dom": secrets.mask_json(dom)}
+             "ax_tree": last.ax_tree if last else "", "http": answers, "dom": dom}
     # Masked together, not report by report: a widget of one box a character reports each box on its own.
     return {**state, UI_EVENTS: secrets.mask_json(events)} if events else state
 

@@ -19,7 +19,7 @@ from pydantic import TypeAdapter
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs import secrets
-from trajforge.envs.appdir import AppDirError, Check, evaluate, load_app_dir, running
+from trajforge.envs.appdir import MAX_TEXT, AppDirError, Check, evaluate, kept_dom, load_app_dir, running
 from trajforge.envs.apps import load_app
 from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.kinds import BundledWebKind, configured_kinds, kind_for, use_app_dirs
@@ -436,3 +436,13 @@ def test_a_secret_an_app_echoes_is_kept_as_its_placeholder(monkeypatch: pytest.M
     kept = json.dumps(secrets.mask_json(state))
     assert "hunter2-Tide" not in kept and "Tide" not in kept and '"48"' not in kept, kept
     assert kept.count("<secret>code</secret>") == 3 and "hunter2-Tide" in json.dumps(state)  # the input is left
+
+
+def test_an_elements_text_is_cut_after_its_secrets_are_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page's text is kept to MAX_TEXT characters; a secret that runs across the cut is masked whole first, so
+    none of it stays (cut first, its first half did)."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_SHOP_PASSWORD", "hunter2-Tide")
+    text = "x" * (MAX_TEXT - 6) + "hunter2-Tide and more"
+    kept = kept_dom({"main": [{"text": text, "value": None, "checked": None, "selected": None}]})
+    (match,) = kept["main"]
+    assert match["text"] == "x" * (MAX_TEXT - 6) + "<secre"  # the placeholder's start, not the secret's
