@@ -9,6 +9,7 @@ every row lands exactly once.
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -113,10 +114,14 @@ def run_shard(plan: StagePlan, shard: Shard, ws: Workspace) -> dict[str, int]:
         raise ValueError(f"stage {stage.name!r} returned rows for undeclared tables {sorted(unknown)}")
     files: dict[str, list[str]] = {}
     kept: dict[str, int] = {}
+    # Each attempt's files are its own: a shard task of a run whose driver died can still be running on a remote
+    # Dask worker, and writing over the name its rerun committed would change committed rows under Iceberg's
+    # manifest. The attempt the ledger records last is the one committed; the others' files go with `expire`.
+    attempt = secrets.token_hex(4)
     for table, rows in out.rows.items():
         kept[table] = len(rows)
         if rows:
-            files[table] = [_write_parquet(ws, table, f"{plan.run_id}-{stage.name}-{shard.shard_id}", rows)]
+            files[table] = [_write_parquet(ws, table, f"{plan.run_id}-{stage.name}-{shard.shard_id}-{attempt}", rows)]
     ws.ledger.record_shard(
         plan.run_id,
         stage.name,

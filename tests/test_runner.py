@@ -120,6 +120,27 @@ def test_crash_between_table_commits_is_finished_once(ws, run_id):
     assert len(ws.catalog.history("episodes")) == 1  # an empty version, with its lineage
 
 
+def test_a_late_attempt_of_a_committed_shard_changes_no_committed_row(ws, run_id):
+    """A shard task of a run whose driver died, still running on a remote Dask worker, finishes after the rerun
+    committed the stage: its files are its own, so the committed version reads as it did."""
+    stage = make_stage([])
+    p = plan(stage, ws, run_id, None)
+    first = p.pending[0]
+    for shard in p.pending:
+        run_shard(p, shard, ws)
+    committed = commit(p, ws)["queries"]
+    before = ws.catalog.load("queries", committed)
+
+    late = StageDef(**{**stage.__dict__, "run": lambda units, w, r, h: _relabelled(stage.run(units, w, r, h))})
+    run_shard(plan(late, ws, run_id, None), first, ws)
+    assert ws.catalog.load("queries", committed).equals(before)
+
+
+def _relabelled(out: StageOutput) -> StageOutput:
+    out.rows["queries"] = [{**q, "instruction": "done late"} for q in out.rows["queries"]]
+    return out
+
+
 def test_lineage_names_inputs_config_models_and_counts(ws, run_id):
     snapshots = run_all(make_stage([]), ws, run_id)
     lineage = ws.catalog.lineage("queries", snapshots["queries"])
