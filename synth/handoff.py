@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import uuid
 from collections import Counter
@@ -95,10 +96,14 @@ class Sample:
     meta: dict[str, Any]
 
 
-def export(catalog: Catalog, ref: str, fmt: str, out: Path, *, added_only: bool = False) -> ExportResult:
+def export(catalog: Catalog, ref: str, fmt: str, out: Path, *, added_only: bool = False,
+           paths_from: Path | None = None) -> ExportResult:
     """Write exactly the version `ref` (TABLE@VERSION: snapshot id, tag or latest) of an SFT table to `out` in
     the trainer format `fmt`; with `added_only`, only the rows the run behind that version wrote (the night's
-    data, `Catalog.rows_added`), as the loop trains on."""
+    data, `Catalog.rows_added`), as the loop trains on.
+
+    A JSONL format's image paths are relative to `paths_from` (default `out`): the loop gives the folder its
+    trainer runs in, above each table's, since ms-swift opens a relative path from where it runs."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     if fmt == "verl":
@@ -117,7 +122,8 @@ def export(catalog: Catalog, ref: str, fmt: str, out: Path, *, added_only: bool 
     table, snapshot, samples = _samples(catalog, ref, added_only)
     out = Path(out)
     with staged(out) as tmp:
-        notes = _write_hf(tmp, samples) if fmt == "hf" else _write_jsonl(tmp, samples, table, fmt)
+        prefix = "" if paths_from is None else f"{Path(os.path.relpath(out, paths_from)).as_posix()}/"
+        notes = _write_hf(tmp, samples) if fmt == "hf" else _write_jsonl(tmp, samples, table, fmt, prefix)
         if added_only:
             notes.append(f"Only the {len(samples)} rows the run behind snapshot {snapshot} added to the table.")
         write_card(tmp, catalog, table, snapshot, rows=len(samples), fmt=fmt, extra=notes)
@@ -216,25 +222,33 @@ def _sample(row: dict[str, Any], version: str) -> Sample:
     return Sample(messages, images, meta)
 
 
-def _write_jsonl(out: Path, samples: list[Sample], table: str, fmt: str) -> list[str]:
-    """`train.jsonl` with `<image>` tags and image paths relative to `out`, and for LLaMA-Factory its
-    `dataset_info.json`; returns the card's notes on using it."""
+def _write_jsonl(out: Path, samples: list[Sample], table: str, fmt: str, prefix: str = "") -> list[str]:
+    """`train.jsonl` with `<image>` tags and image paths relative to `out` (each after `prefix`, the path from the
+    folder they are relative to instead), and for LLaMA-Factory its `dataset_info.json`; returns the card's notes
+    on using it."""
     (out / "images").mkdir()
     with (out / "train.jsonl").open("w", encoding="utf-8") as f:
         for s in samples:
-            paths = [_write_image(out, png) for png in s.images]
+            paths = [prefix + _write_image(out, png) for png in s.images]
             messages = [{"role": m["role"], "content": "".join(IMAGE_TAG if p["type"] == "image" else p["text"]
                                                                for p in m["content"])} for m in s.messages]
             f.write(json.dumps({"messages": messages, "images": paths, **s.meta}, ensure_ascii=False) + "\n")
-    notes = ["Image paths are relative to this folder; the trainer ignores the ids and `weight` beside `messages`.",
+    home = f"the folder that holds this one as `{prefix.rstrip('/')}` (where the loop's trainer runs)" if prefix \
+        else "this folder"
+    notes = [f"Image paths are relative to {home}; the trainer ignores the ids and `weight` beside `messages`.",
              *_weight_note(samples)]
     if fmt == "ms-swift":
-        return [*notes, "Train from this folder: `swift sft --dataset train.jsonl ...` (ms-swift's standard format)."]
-    entry = {"file_name": "train.jsonl", "formatting": "sharegpt",
+        where = "that folder" if prefix else "this folder"
+        return [*notes, f"Train from {where}: `swift sft --dataset {prefix}train.jsonl ...` (ms-swift's standard "
+                "format)."]
+    entry = {"file_name": f"{prefix}train.jsonl", "formatting": "sharegpt",
              "columns": {"messages": "messages", "images": "images"},
              "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                       "assistant_tag": "assistant", "system_tag": "system"}}
     (out / "dataset_info.json").write_text(json.dumps({table: entry}, indent=2) + "\n")
+    if prefix:
+        return [*notes, (f"LLaMA-Factory: `dataset_dir: <that folder>`, `dataset: {table}` (its dataset_info.json "
+                         "registers every table of the loop's data).")]
     return [*notes, (f"LLaMA-Factory: `dataset_dir: <this folder>`, `dataset: {table}` (registered in "
                      "dataset_info.json; images are found under `media_dir`, which defaults to `dataset_dir`).")]
 

@@ -61,6 +61,8 @@ def test_the_users_trainer_gets_the_nights_tables_and_its_checkpoint_is_register
     # Each table reached the trainer as its ms-swift export, with exactly the rows the night added to it.
     assert received["tables"] == {t: ws.catalog.rows_added(t, v)[0].height for t, v in night.items()}
     assert received["tables"]["train_e2e"] > 0 and received["steps"] == 3
+    # Every image opens from the folder the trainer runs in, as ms-swift opens a relative path.
+    assert received["images"] >= received["tables"]["train_e2e"] and received["images_missing"] == []
     assert received["base"] == str(smollm2_folder(LocalModelSettings().cache_dir))
     assert received["text_samples"] == row["samples"] >= sum(received["tables"].values())
     assert row["checkpoint_hash"] == folder_hash(folder) and row["model_id"] == str(folder)

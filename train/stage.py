@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -150,16 +151,25 @@ def train(units: list[TrainUnit], ws: Workspace, run_id: str, _: str) -> StageOu
 
 
 def write_data(ws: Workspace, unit: TrainUnit, data: Path) -> int:
-    """Each table's export in `loop.train_format` and `text.jsonl` of them all; returns the samples written."""
+    """Each table's export in `loop.train_format` and `text.jsonl` of them all; returns the samples written.
+
+    The trainer runs in `data`, so the exports' image paths are relative to it (`TABLE/images/...`: ms-swift opens
+    a relative path from where it runs), and for LLaMA-Factory, whose `dataset_dir` is one folder, `data` gets a
+    `dataset_info.json` registering every table."""
     data.mkdir(parents=True)
     samples = 0
+    registered: dict[str, Any] = {}
     with (data / "text.jsonl").open("w", encoding="utf-8") as f:
         for ref in unit.trained_on:
             table = ref.partition("@")[0]
-            export(ws.catalog, ref, ws.settings.loop.train_format, data / table, added_only=True)
+            export(ws.catalog, ref, ws.settings.loop.train_format, data / table, added_only=True, paths_from=data)
+            if (info := data / table / "dataset_info.json").is_file():
+                registered |= json.loads(info.read_text())
             for sample in text_samples(ws.catalog, ref, ws.gateway.ocr, added_only=True):
                 f.write(json.dumps(sample, ensure_ascii=False) + "\n")
                 samples += 1
+    if registered:
+        (data / "dataset_info.json").write_text(json.dumps(registered, indent=2) + "\n")
     return samples
 
 
