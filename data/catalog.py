@@ -115,6 +115,10 @@ class UnknownRef(CatalogError, LookupError):
     """A table, snapshot or tag that does not exist; the message names the ref."""
 
 
+class BadTagName(CatalogError, ValueError):
+    """A tag name a ref could not tell apart from a version id or `latest`."""
+
+
 class UnknownColumn(CatalogError, LookupError):
     """A column a table does not have; the message names the table and lists its columns."""
 
@@ -788,7 +792,7 @@ class Catalog:
         Tags survive snapshot expiry, so a tagged training set stays readable.
         """
         if not name or "@" in name or name == "latest" or re.fullmatch(r"-?\d+", name):
-            raise ValueError(f"tag name {name!r} would be ambiguous in a ref; use e.g. 'nightly-2026-11-22'")
+            raise BadTagName(f"tag name {name!r} would be ambiguous in a ref; use e.g. 'nightly-2026-11-22'")
         table_name, snapshot_id = self.resolve(self._ref(table, version))
         if snapshot_id is None:
             raise UnknownRef(f"ref {self._ref(table, version)!r}: table {table_name!r} has no snapshot to tag")
@@ -826,9 +830,9 @@ class Catalog:
 
         Columns that exist in only one of the versions (schema evolution) are not compared.
         """
-        key = record_model(table).key
-        name_a, id_a = self.resolve(self._ref(table, a))
+        name_a, id_a = self.resolve(self._ref(table, a))  # first: an unknown table is an UnknownRef naming it
         _, id_b = self.resolve(self._ref(table, b))
+        key = record_model(table).key
         df_a = self._scan(name_a, id_a).collect()
         df_b = self._scan(name_a, id_b).collect()
         added = df_b.join(df_a.select(key), on=key, how="anti")

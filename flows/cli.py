@@ -335,7 +335,7 @@ def datasets_history(table: str, config: ConfigOpt = None) -> None:
 @datasets.command("show")
 def datasets_show(
     ref: Annotated[str, typer.Argument(help="TABLE, TABLE@latest, TABLE@SNAPSHOT_ID or TABLE@TAG")],
-    limit: Annotated[int, typer.Option(help="Rows to print.")] = 10,
+    limit: Annotated[int, typer.Option(help="Rows to print.", min=0)] = 10,
     columns: Annotated[str | None, typer.Option(help="Comma-separated columns to print.")] = None,
     config: ConfigOpt = None,
 ) -> None:

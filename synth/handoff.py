@@ -184,11 +184,16 @@ def resolve_version(catalog: Catalog, ref: str) -> tuple[str, int]:
 def staged(out: Path) -> Iterator[Path]:
     """A fresh temporary sibling of `out` to write into, renamed to `out` when the block ends without error and
     removed otherwise. `out` must not exist or be an empty folder: an export never mixes with other files."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"output folder {out} is a file; give a new or empty folder")
+    if out.exists() and any(out.iterdir()):
         raise ExportError(f"output folder {out} exists and is not empty; give a new or empty folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:  # a file where a folder should be, no permission: named as given, not as the temporary
+        raise ExportError(f"cannot make output folder {out}: {exc.strerror or exc}") from None
     try:
         yield tmp
         if out.exists():

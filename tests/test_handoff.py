@@ -184,6 +184,11 @@ def test_a_non_empty_folder_is_refused_and_left_untouched(night, tmp_path):
         export(catalog, f"{TABLE}@{tag}", "ms-swift", out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    # A file where the folder, or a folder above it, would be: named as given, not as the temporary written first.
+    with pytest.raises(ExportError, match=r"output folder .*notes.txt is a file"):
+        export(catalog, f"{TABLE}@{tag}", "ms-swift", out / "notes.txt")
+    with pytest.raises(ExportError, match=r"cannot make output folder .*notes.txt/sub: "):
+        export(catalog, f"{TABLE}@{tag}", "ms-swift", out / "notes.txt" / "sub")
     out.joinpath("notes.txt").unlink()  # an empty folder is taken
     assert export(catalog, f"{TABLE}@{tag}", "ms-swift", out).rows > 0
 
