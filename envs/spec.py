@@ -19,6 +19,8 @@ import networkx as nx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trajforge.schemas.config import yaml_problem
+
 
 class SpecError(ValueError):
     """An app spec that cannot be used; the message names the file and the field."""
@@ -166,8 +168,10 @@ def load_spec(path: Path) -> AppSpec:
     """Read and validate an app spec; every problem is reported with the file and field."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise SpecError(f"{path}: cannot read app spec: {exc}") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read app spec: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}{yaml_problem(exc)}") from None
     try:
         spec = AppSpec.model_validate(raw)
     except ValidationError as exc:

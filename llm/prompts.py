@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trajforge.llm.calls import Sampling
 from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.schemas.config import yaml_problem
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 _JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=False)
@@ -117,8 +118,10 @@ def load_prompt(name: str, folder: Path = PROMPTS_DIR) -> Prompt:
     path = Path(folder) / f"{name}.yaml"
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise PromptError(f"{path}: cannot read prompt {name!r}: {exc}") from None
+    except OSError as exc:
+        raise PromptError(f"{path}: cannot read prompt {name!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise PromptError(f"{path}{yaml_problem(exc)}") from None
     try:
         spec = _PromptFile.model_validate(data)
     except ValidationError as exc:

@@ -28,7 +28,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from trajforge.schemas.ids import digest
 
@@ -730,6 +730,23 @@ def config_path(path: Path | None = None) -> Path | None:
     return default if default.exists() else None
 
 
+_PARSED_FIELD = re.compile(r'error parsing value for field "(\w+)"')
+"""pydantic-settings' SettingsError names the top-level field whose variable it could not parse."""
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong with a YAML file, in one line to put after its path: `:LINE:COLUMN: not valid YAML: ...`
+    (PyYAML's own message spans several lines with a drawing of the line). Every YAML file a user writes (the
+    config, an app's spec, a prompt) reports its syntax errors through here."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark, context = exc.problem_mark or exc.context_mark, exc.context_mark
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        opened = (f" ({exc.context} from {context.line + 1}:{context.column + 1})"
+                  if exc.context and context is not None and exc.problem else "")
+        return f"{at}: not valid YAML: {exc.problem or exc.context}{opened}"
+    return f": not valid YAML: {exc}"
+
+
 def load_settings(path: Path | None = None) -> Settings:
     """Read `path` (default: $TRAJFORGE_CONFIG, else ./trajforge.yaml if present) and the environment."""
     path = config_path(path)
@@ -739,14 +756,8 @@ def load_settings(path: Path | None = None) -> Settings:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
-        except yaml.MarkedYAMLError as exc:
-            mark, context = exc.problem_mark or exc.context_mark, exc.context_mark
-            at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-            opened = (f" ({exc.context} from {context.line + 1}:{context.column + 1})"
-                      if exc.context and context is not None and exc.problem else "")
-            raise ConfigError(f"{path}{at}: not valid YAML: {exc.problem or exc.context}{opened}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            raise ConfigError(f"{path}{yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(data).__name__}")
     for name in os.environ:
@@ -758,12 +769,18 @@ def load_settings(path: Path | None = None) -> Settings:
                               "(`trajforge config show` lists every setting)")
     try:
         return Settings(**data)
+    except SettingsError as exc:  # a variable of a list or a section whose value is not JSON
+        section = _PARSED_FIELD.search(str(exc))
+        prefix = f"{ENV_PREFIX}{section.group(1)}".upper() if section else ENV_PREFIX
+        names = sorted(n for n in os.environ if n.upper().startswith(prefix) and _is_setting(n))
+        raise ConfigError(f"environment variable {', '.join(names) or prefix + '*'}: not valid JSON (a list or a "
+                          f"section is written as JSON, e.g. {ENV_PREFIX}QUERY_GEN__APPS='[\"shop\"]')") from None
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
             loc = tuple(err["loc"])
             field = ".".join(str(p) for p in loc)
             variable = _variable_of(loc)  # the environment overrides the file
-            where = f"environment variable {variable}" if variable else str(path)
+            where = f"environment variable {variable}" if variable else str(path or "the environment")
             lines.append(f"{where}: field {field!r}: {err['msg']}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -111,3 +111,11 @@ def test_a_path_with_one_possible_task_does_not_starve_the_others(tmp_path):
     tasks = sample_tasks(load_spec(write(tmp_path, spec)), 5, seed=0, max_len=8)
     assert len(tasks) == 5  # 4 cart tasks + the single prefs task
     assert sum(t.path == ("home", "prefs") for t in tasks) == 1
+
+
+def test_a_spec_that_is_not_yaml_names_its_line_and_column(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text("app: x\npages: [home\n")
+    with pytest.raises(SpecError, match=r"spec.yaml:3:1: not valid YAML: expected ',' or '\]'") as err:
+        load_spec(path)
+    assert "\n" not in str(err.value)  # one line, not PyYAML's drawing of it

@@ -58,6 +58,13 @@ def test_invalid_environment_value_names_variable(monkeypatch):
         load_settings()
 
 
+@pytest.mark.parametrize(("name", "value"), [("TRAJFORGE_QUERY_GEN__APPS", "shop"), ("TRAJFORGE_ROLLOUT", "{bad")])
+def test_a_list_or_section_variable_that_is_not_json_is_named(name, value, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"environment variable {name}: not valid JSON"):
+        load_settings()
+
+
 def test_an_environment_value_is_blamed_on_its_variable_not_on_the_file(tmp_path, monkeypatch):
     cfg = tmp_path / "trajforge.yaml"
     cfg.write_text("rollout:\n  contexts: 2\n")
