@@ -41,22 +41,38 @@ def preflight(config: str | None, models: bool = True) -> Settings:
     return settings
 
 
+def _asked(settings: Settings) -> list[tuple[str, str]]:
+    """(the setting that names it, model) for every llm model the configured stages ask."""
+    s = settings
+    loop_model = s.loop.models.get(s.loop.iteration)
+    asked = [
+        (s.query_gen.instructions == "model", "query_gen.instruction_model", s.query_gen.instruction_model),
+        (s.rollout.policy in ("gui_owl_e2e", "mobile_agent_v3"),
+         f"loop.models.{s.loop.iteration}" if loop_model else "rollout.model", loop_model or s.rollout.model),
+        (s.critics.step_critic == "model", "critics.step_model", s.critics.step_model),
+        (s.critics.text_channel, "critics.text_model", s.critics.text_model),
+        (s.guidance.describer == "model", "guidance.model", s.guidance.model),
+        (s.synth.writer == "model", "synth.model", s.synth.model),
+        (s.synth.writer == "model", "rollout.model", s.rollout.model),  # agentic_q samples the policy's model
+        (True, "critics.multimodal_model", s.critics.multimodal_model),
+        (True, "synth.vision_model", s.synth.vision_model),
+    ]
+    return [(field if model else "llm.default", model or s.llm.default) for on, field, model in asked
+            if on and (model or field not in ("critics.multimodal_model", "synth.vision_model"))]
+
+
 def models_asked(settings: Settings) -> set[str]:
     """The llm models ('local' or endpoint names) the configured stages ask; none for a run of rules and
     templates (replay or random policy, rule critics, template writers), which needs no model at all."""
-    s = settings
-    asked = [
-        (s.query_gen.instructions == "model", s.query_gen.instruction_model),
-        (s.rollout.policy in ("gui_owl_e2e", "mobile_agent_v3"),
-         s.loop.models.get(s.loop.iteration) or s.rollout.model),
-        (s.critics.step_critic == "model", s.critics.step_model),
-        (s.critics.text_channel, s.critics.text_model),
-        (s.guidance.describer == "model", s.guidance.model),
-        (s.synth.writer == "model", s.synth.model),
-        (s.synth.writer == "model", s.rollout.model),  # agentic_q samples the policy's model
-    ]
-    named = {model or s.llm.default for on, model in asked if on}
-    return named | {m for m in (s.critics.multimodal_model, s.synth.vision_model) if m}
+    return {model for _, model in _asked(settings)}
+
+
+def _known(settings: Settings, name: str) -> bool:
+    """Whether the gateway can answer `name` (`Gateway.backend`): 'local', an endpoint, ENDPOINT:MODEL, or a
+    checkpoint folder's absolute path."""
+    endpoint, colon, _ = name.partition(":")
+    return (name == "local" or name in settings.llm.endpoints or (bool(colon) and endpoint in settings.llm.endpoints)
+            or os.path.isabs(name))
 
 
 def check_models(settings: Settings) -> None:
@@ -66,6 +82,11 @@ def check_models(settings: Settings) -> None:
     asked = models_asked(settings)
     if not asked:
         return
+    for field, name in _asked(settings):
+        if not _known(settings, name):  # a typo would otherwise surface mid-night, at the stage that asks it
+            raise ConfigError(f"{field}: no model named {name!r} (configured: "
+                              f"{', '.join(['local', *settings.llm.endpoints])}; or ENDPOINT:MODEL, or a checkpoint "
+                              "folder's absolute path)")
     for name, endpoint in settings.llm.endpoints.items():
         if endpoint.api_key is None and endpoint.api_key_env and not os.environ.get(endpoint.api_key_env):
             raise ConfigError(

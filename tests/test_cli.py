@@ -91,6 +91,15 @@ def test_preflight_names_the_unset_key_variable(tmp_path: Path, trajforge_cli: s
     assert not (tmp_path / "data").exists()
 
 
+def test_preflight_names_a_model_no_endpoint_answers(tmp_path: Path, trajforge_cli: str) -> None:
+    """A misspelled model name fails before any work (it used to pass, and fail at the rollout after the crawl)."""
+    (tmp_path / "trajforge.yaml").write_text("rollout:\n  policy: gui_owl_e2e\n  model: gpt4o\n")
+    proc = run(trajforge_cli, tmp_path, "run", "nightly")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "rollout.model: no model named 'gpt4o' (configured: local;" in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.parametrize(("demonstrations", "error"), [
     (None, "guidance.demonstrations: cannot read {path}: No such file or directory"),
     ('{"query_id": "q1", "instruction": "Open the cart", "steps": []}\n\n{"query_id": 3}\n',
