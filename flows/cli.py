@@ -236,6 +236,8 @@ def run(
 
     if stage != "nightly" and stage not in _stages():
         raise _fail(f"unknown stage {stage!r}; choose nightly or one of: {', '.join(_stages())}")
+    if stage == "nightly" and input:
+        raise _fail("--input applies to a single stage, not to nightly")
     if deep_search and not app_dir:
         raise _fail("--deep-search applies to the apps of --app-dir; for configured apps, "
                     "use query_gen.deep_search_apps")
@@ -257,8 +259,6 @@ def run(
     input_snapshot: int | None = None
     with ws.ledger.writing(stage):  # one run writes to a warehouse at a time: a second stops here, naming it
         if stage == "nightly":
-            if input:
-                raise _fail("--input applies to a single stage, not to nightly")
             run_ = ws.ledger.open_run("nightly", run_identity("nightly", settings), fresh=fresh)
             call = nightly(config=cfg, run_id=run_.run_id)
         else:
