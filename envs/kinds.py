@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from trajforge.envs import android, miniwob
 from trajforge.envs.android import DevicePool, android_queries, check_probe
 from trajforge.envs.appdir import AppDir, AppDirEnv, load_app_dir, running
-from trajforge.envs.apps import AppServer, BundledApp, known_apps, load_app
+from trajforge.envs.apps import AppServer, BundledApp, UnknownAppError, known_apps, load_app
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.miniwob import MiniWoBEnv, MiniWoBServer, check_reward, check_tasks, miniwob_queries
 from trajforge.envs.spec import AppSpec, SpecError
@@ -225,7 +225,11 @@ def configured_kinds(settings: Settings) -> list[AppKind]:
     Validates on the way (an unknown app or MiniWoB++ task, a deep-search app the config names that nothing
     serves raises), so a run can check its config before any work.
     """
-    kinds = [kind_for(name) for name in settings.query_gen.apps] + use_app_dirs(settings.query_gen.app_dirs)
+    try:
+        kinds = [kind_for(name) for name in settings.query_gen.apps]
+    except UnknownAppError as exc:
+        raise ConfigError(f"query_gen.apps: {exc}") from None
+    kinds += use_app_dirs(settings.query_gen.app_dirs)
     asked = "deep_search_apps" in settings.query_gen.model_fields_set  # the default, [writer], applies where served
     served = {k.name for k in kinds}
     if asked and (unserved := [a for a in settings.query_gen.deep_search_apps if a not in served]):
