@@ -157,7 +157,13 @@ def text_samples(catalog: Catalog, ref: str, reader: OcrReader, *, added_only: b
 def _samples(catalog: Catalog, ref: str, added_only: bool) -> tuple[str, int, list[Sample]]:
     """The table, snapshot and checked rows of `ref`: all of them, or with `added_only` those its run added."""
     table, snapshot = resolve_version(catalog, ref)
+    if added_only and catalog.lineage(table, snapshot) is None:  # rows_added would give every row
+        raise ExportError(f"{ref}: snapshot {snapshot} was not written by a stage, so which rows its run added is "
+                          "unknown; export it whole (without --added)")
     frame = catalog.rows_added(table, snapshot)[0] if added_only else catalog.load(table, snapshot)
+    if frame.is_empty():  # a trainer fails on an empty file (datasets' JSON loader, verl's empty dataloader)
+        raise ExportError(f"{ref}: no rows to export" + (f" (the run behind snapshot {snapshot} added none)"
+                                                         if added_only else ""))
     return table, snapshot, [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
 
 

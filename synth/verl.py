@@ -59,9 +59,19 @@ SCHEMA = pa.schema([
     ("images", pa.list_(pa.struct([("bytes", pa.binary())]))),
 ])
 
+def command_note(rows: int) -> str:
+    """The card's verl settings for a version of `rows` queries. verl drops a last incomplete batch and stops on
+    an empty train or validation loader: its default batch of 1024 is more than a night's queries, and without
+    `data.val_files` it looks for its own example's file."""
+    batch = min(rows, 16)
+    return (f"verl: `data.train_files=train.parquet data.val_files=train.parquet data.train_batch_size={batch} "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={batch} data.image_key=images "
+            "reward.custom_reward_function.path=reward.py reward.custom_reward_function.name=compute_score` "
+            "(verl 0.9); raise `data.max_prompt_length` above its 512 tokens: the policy's prompt with a screenshot "
+            "is longer.")
+
+
 CARD_NOTES = (
-    ("verl: `data.train_files=train.parquet data.image_key=images reward.custom_reward_function.path=reward.py "
-     "reward.custom_reward_function.name=compute_score` (verl 0.9)."),
     ("The reward is the query's own checker (ground_truth: JSON {app, checker, params}) on the app's final state, "
      "which the rollout driving the app must put in `extra_info['final_state']` (a dict or JSON string); the "
      "model's text is never read as a state. Anything unusable scores 0.0, logged, never raised."),
@@ -82,6 +92,8 @@ def export_verl(catalog: Catalog, ref: str, out: Path) -> ExportResult:
     out = Path(out)
     with staged(out) as tmp:  # refuses a non-empty `out` before any work
         queries = catalog.load(table, snapshot).sort("query_id")
+        if queries.is_empty():  # verl stops on an empty dataloader
+            raise ExportError(f"{ref}: no rows to export")
         starts, read = _start_screens(catalog, queries["query_id"].to_list())
         blobs = BlobStore(catalog.warehouse / "blobs")
         rows = [_row(q, i, starts.get(q["query_id"]), blobs) for i, q in enumerate(queries.to_dicts())]
@@ -89,7 +101,8 @@ def export_verl(catalog: Catalog, ref: str, out: Path) -> ExportResult:
         shutil.copyfile(REWARD_MODULE, tmp / "reward.py")
         screens = f"Start screens: {sum(1 for r in rows if r['images'])} of {len(rows)} rows, the first screenshot " \
                   f"of the query's reference episode ({', '.join(f'{t}@{n}' for t, n in read.items()) or 'none'})."
-        card = write_card(tmp, catalog, table, snapshot, rows=len(rows), fmt="verl", extra=(*CARD_NOTES, screens))
+        card = write_card(tmp, catalog, table, snapshot, rows=len(rows), fmt="verl",
+                          extra=(command_note(len(rows)), *CARD_NOTES, screens))
     return ExportResult(out=out, table=table, snapshot=snapshot, rows=len(rows),
                         images=sum(len(r["images"]) for r in rows), card=out / card.name)
 

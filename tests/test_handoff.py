@@ -166,6 +166,9 @@ def test_a_version_by_snapshot_id_is_the_version_by_tag(night, tmp_path):
     (f"{TABLE}@latest", "parquet", False, ["parquet", "ms-swift, llamafactory, hf, verl"]),
     (f"{TABLE}@no-such-tag", "hf", False, ["no-such-tag"]),
     ("queries@latest", "verl", True, ["queries@latest", "verl exports a queries version whole"]),
+    # The replay night writes no row to a Mobile-Agent role table: an empty file would fail the trainer instead.
+    ("train_manager@latest", "hf", False, ["train_manager@latest: no rows to export"]),
+    ("train_manager@latest", "ms-swift", True, ["train_manager@latest: no rows to export", "added none"]),
 ])
 def test_what_cannot_be_exported_fails_naming_it_and_writes_nothing(night, tmp_path, ref, fmt, added, named):
     catalog, *_ = night
