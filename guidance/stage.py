@@ -79,7 +79,8 @@ def load_demonstrations(path: Path) -> list[dict[str, Any]]:
             demo = Demonstration.model_validate_json(line)
         except ValidationError as exc:
             err = exc.errors()[0]
-            raise ValueError(f"{path}:{number}: field {'.'.join(str(p) for p in err['loc'])!r}: {err['msg']}") from None
+            where = f"field {'.'.join(str(p) for p in err['loc'])!r}" if err["loc"] else "not a JSON object"  # no field
+            raise ValueError(f"{path}:{number}: {where}: {err['msg']}") from None
         steps = [{f: None for f in STEP_FIELDS} | s.model_dump() | {"step_index": i, "action_valid": True}
                  for i, s in enumerate(demo.steps)]
         entries.append({

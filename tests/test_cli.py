@@ -105,7 +105,7 @@ def test_preflight_names_a_model_no_endpoint_answers(tmp_path: Path, trajforge_c
     ('{"query_id": "q1", "instruction": "Open the cart", "steps": []}\n\n{"query_id": 3}\n',
      "guidance.demonstrations: {path}:3: field 'query_id': Input should be a valid string"),
     ('{"query_id": "q1", "instruction": "Open the cart", "steps": [{"action_type": "click"}]\n',
-     "guidance.demonstrations: {path}:1: field '': Invalid JSON"),
+     "guidance.demonstrations: {path}:1: not a JSON object: Invalid JSON"),
 ])
 def test_preflight_names_a_bad_demonstrations_file_and_line(tmp_path: Path, trajforge_cli: str,
                                                             demonstrations: str | None, error: str) -> None:
