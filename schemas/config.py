@@ -16,6 +16,7 @@ import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 from pydantic import (
@@ -282,7 +283,18 @@ class RunnerSettings(_Section):
 
 class ScheduleSettings(_Section):
     cron: str = Field(default="0 2 * * *", description="When `trajforge serve` runs the nightly flow.")
-    timezone: str = "UTC"
+    timezone: str = Field(default="UTC", description="The IANA time zone the cron is read in (Europe/Berlin).")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, zone: str) -> str:
+        """Checked when the config loads, not at `deploy` (the cron is Prefect's to check there)."""
+        try:
+            ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {zone!r}; give an IANA name such as 'UTC' or 'Europe/Berlin'") \
+                from None
+        return zone
 
 
 class EndpointSettings(_Section):

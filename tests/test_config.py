@@ -52,6 +52,15 @@ def test_invalid_value_names_file_and_field(tmp_path):
         load_settings(cfg)
 
 
+def test_an_unknown_time_zone_is_refused_when_the_config_loads(tmp_path):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("schedule:\n  timezone: Mars/Base\n")
+    with pytest.raises(ConfigError, match=r"field 'schedule.timezone': Value error, unknown time zone 'Mars/Base'"):
+        load_settings(cfg)
+    cfg.write_text("schedule:\n  timezone: Europe/Berlin\n")
+    assert load_settings(cfg).schedule.timezone == "Europe/Berlin"
+
+
 def test_invalid_environment_value_names_variable(monkeypatch):
     monkeypatch.setenv("TRAJFORGE_ROLLOUT__VIEWPORT", "tablet")
     with pytest.raises(ConfigError, match="TRAJFORGE_ROLLOUT__VIEWPORT"):
