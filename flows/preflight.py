@@ -42,7 +42,8 @@ def preflight(config: str | None, models: bool = True) -> Settings:
 
 
 def _asked(settings: Settings) -> list[tuple[str, str]]:
-    """(the setting that names it, model) for every llm model the configured stages ask."""
+    """(the setting that names it, model) for every llm model the configured stages ask; none for a run of rules
+    and templates (replay or random policy, rule critics, template writers), which needs no model at all."""
     s = settings
     loop_model = s.loop.models.get(s.loop.iteration)
     asked = [
@@ -54,17 +55,10 @@ def _asked(settings: Settings) -> list[tuple[str, str]]:
         (s.guidance.describer == "model", "guidance.model", s.guidance.model),
         (s.synth.writer == "model", "synth.model", s.synth.model),
         (s.synth.writer == "model", "rollout.model", s.rollout.model),  # agentic_q samples the policy's model
-        (True, "critics.multimodal_model", s.critics.multimodal_model),
-        (True, "synth.vision_model", s.synth.vision_model),
+        (bool(s.critics.multimodal_model), "critics.multimodal_model", s.critics.multimodal_model),  # only if named
+        (bool(s.synth.vision_model), "synth.vision_model", s.synth.vision_model),
     ]
-    return [(field if model else "llm.default", model or s.llm.default) for on, field, model in asked
-            if on and (model or field not in ("critics.multimodal_model", "synth.vision_model"))]
-
-
-def models_asked(settings: Settings) -> set[str]:
-    """The llm models ('local' or endpoint names) the configured stages ask; none for a run of rules and
-    templates (replay or random policy, rule critics, template writers), which needs no model at all."""
-    return {model for _, model in _asked(settings)}
+    return [(field if model else "llm.default", model or s.llm.default) for on, field, model in asked if on]
 
 
 def _known(settings: Settings, name: str) -> bool:
@@ -79,10 +73,10 @@ def check_models(settings: Settings) -> None:
     """Raise ConfigError unless the models the config asks can answer: the gateway reads every endpoint's key
     variable when it opens, and the in-process model needs its packages (and checkpoint). Names the variable,
     never its value."""
-    asked = models_asked(settings)
+    asked = _asked(settings)
     if not asked:
         return
-    for field, name in _asked(settings):
+    for field, name in asked:
         if not _known(settings, name):  # a typo would otherwise surface mid-night, at the stage that asks it
             raise ConfigError(f"{field}: no model named {name!r} (configured: "
                               f"{', '.join(['local', *settings.llm.endpoints])}; or ENDPOINT:MODEL, or a checkpoint "
@@ -91,7 +85,7 @@ def check_models(settings: Settings) -> None:
         if endpoint.api_key is None and endpoint.api_key_env and not os.environ.get(endpoint.api_key_env):
             raise ConfigError(
                 f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} is not set")
-    if "local" in asked:
+    if any(name == "local" for _, name in asked):
         local = settings.llm.local.model
         reason = missing_models(embedded=local == SMOLLM2)
         if reason:

@@ -72,7 +72,12 @@ class TrainUnit:
 
     @property
     def trained_on(self) -> list[str]:
-        return [f"{t}@{v}" for t, v in sorted(self.versions.items())]
+        return trained_on(self.versions)
+
+
+def trained_on(versions: dict[str, int]) -> list[str]:
+    """The table versions as a checkpoint row's `trained_on` holds them: TABLE@SNAPSHOT, by table."""
+    return [f"{t}@{v}" for t, v in sorted(versions.items())]
 
 
 def night_tables(ws: Workspace, snapshot: int | None) -> tuple[dict[str, int], Counter[str]]:
@@ -106,9 +111,8 @@ def load_night(ws: Workspace, snapshot: int | None) -> Inputs[TrainUnit]:
     this stage's commit and the ledger's mark is the night's own, and a rerun asked to train on it again."""
     versions, stats = night_tables(ws, snapshot)
     root = root_model_id(ws)
-    trained_on = [f"{t}@{v}" for t, v in sorted(versions.items())]
     done = ws.catalog.load("checkpoints").filter(
-        (pl.col("root_model_id") == root) & (pl.col("trained_on").list.join(",") == ",".join(trained_on)))
+        (pl.col("root_model_id") == root) & (pl.col("trained_on").list.join(",") == ",".join(trained_on(versions))))
     if done.height:
         stats["nights already trained on (their checkpoint is registered)"] += 1
         return Inputs([], dict(versions), fingerprint=done["model_id"][0], stats=stats)
