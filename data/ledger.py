@@ -16,7 +16,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -80,6 +80,11 @@ class RunLocked(RuntimeError):
     """Another run holds the warehouse for writing."""
 
 
+class LockLost(RuntimeError):
+    """This run's hold on the warehouse went while it ran: its connection to PostgreSQL closed (the server or
+    a proxy dropped it, or an administrator ended it), so another run may be writing now."""
+
+
 @dataclass(frozen=True)
 class Run:
     run_id: str
@@ -109,6 +114,8 @@ class Ledger:
         that share one PostgreSQL database do not hold each other up."""
         self.scope = scope
         self.engine = sa.create_engine(url, future=True)
+        self._held: tuple[sa.Connection, int] | None = None
+        """The connection holding `writing`'s PostgreSQL lock, and its key, while the block runs."""
         _meta.create_all(self.engine)
         self._add_missing_columns()
 
@@ -145,6 +152,12 @@ class Ledger:
             )
             return Run(run_id, flow, started, resumed=False)
 
+    @property
+    def writer_key(self) -> int:
+        """The key of `writing`'s PostgreSQL advisory lock: in `pg_locks`, `(classid::bigint << 32) | objid`
+        (objsubid 1), whose `pid` is the server process of the run that holds the warehouse."""
+        return int(digest(f"trajforge-writer:{self.engine.url.database}:{self.scope}", 15), 16)
+
     @contextmanager
     def writing(self, run: str) -> Iterator[None]:
         """Hold the warehouse for a run of `run` (nightly, or a stage's name) while the block runs: a second
@@ -157,7 +170,7 @@ class Ledger:
         """
         if self.engine.dialect.name == "postgresql":
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:  # no open transaction
-                key = int(digest(f"trajforge-writer:{self.engine.url.database}:{self.scope}", 15), 16)
+                key = self.writer_key
                 # A killed holder's lock goes when its server process sees the connection close, a moment
                 # after the kill (a CI run caught it still held): ask again for up to 2 s before refusing.
                 for attempt in range(5):
@@ -170,10 +183,20 @@ class Ledger:
                                     f"{self.engine.url.database!r} on {self.engine.url.host}); runs not finished: "
                                     f"{self._unfinished()}; "
                                     "wait for it to finish, or stop it (a stopped run resumes on its rerun)")
+                # The lock lives as long as this connection, which stays idle while the run works: a server's
+                # idle_session_timeout (PostgreSQL 14+) would end it, so it is off for this session, and the
+                # server's TCP keepalives keep a NAT or firewall from forgetting it. `check_writing` still asks
+                # before each commit, for whatever else ends it.
+                if conn.dialect.server_version_info >= (14,):
+                    conn.execute(sa.text("SET idle_session_timeout = 0"))
+                conn.execute(sa.text("SET tcp_keepalives_idle = 60"))
+                self._held = conn, key
                 try:
                     yield
                 finally:
-                    conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                    self._held = None
+                    with suppress(sa.exc.SQLAlchemyError):  # a lost connection took the lock with it
+                        conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
             return
         path = Path(f"{self.engine.url.database}.writer.lock")
         with path.open("a+") as lock:
@@ -192,6 +215,29 @@ class Ledger:
             finally:
                 lock.truncate(0)
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def check_writing(self) -> None:
+        """Raise LockLost when the PostgreSQL lock this ledger's `writing` took is not held any more; nothing
+        outside such a block, or on SQLite (an flock goes only with the process).
+
+        The runner asks before it commits a stage, so a run whose connection was dropped while it worked stops
+        with its shards recorded (its rerun commits them) rather than commit beside another writer."""
+        if self._held is None:
+            return
+        conn, key = self._held
+        try:
+            held = conn.execute(sa.text(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+                "AND pid = pg_backend_pid() AND ((classid::bigint << 32) | objid::bigint) = :k)"), {"k": key}).scalar()
+            reason = "the lock is not held on its connection"
+        except sa.exc.SQLAlchemyError as exc:
+            cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+            held, reason = False, f"its connection failed ({str(cause).strip().splitlines()[0]})"
+        if not held:
+            raise LockLost(f"this run lost its hold on the warehouse ({self.scope or 'catalog'} in database "
+                           f"{self.engine.url.database!r} on {self.engine.url.host}): {reason}; nothing more was "
+                           "committed, and a rerun resumes it (a connection pooler in transaction mode, such as "
+                           "pgbouncer's, cannot hold the lock: give the catalog a direct or session-pooled URL)")
 
     def _unfinished(self) -> str:
         """The newest runs the ledger says are unfinished (the holder among them, or crashed ones)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from datetime import datetime, timezone
 
@@ -245,3 +246,49 @@ def test_shards_are_as_even_as_their_size_allows_and_keep_the_units_order(ws, ru
     sizes = {n: [len(shard.units) for shard in plan(dataclasses.replace(stage, shard_size=lambda s, n=n: n), ws,
                                                              f"{run_id}-{n}", None).pending] for n in (1, 3, 7, 8)}
     assert sizes == {1: [1] * 7, 3: [3, 2, 2], 7: [7], 8: [7]}
+
+
+def _end_writer(ws: Workspace) -> None:
+    """End the server process holding the warehouse's lock, as an administrator, a server timeout or a proxy
+    dropping the connection would."""
+    import sqlalchemy as sa
+
+    with ws.ledger.engine.connect() as conn:
+        ended = conn.execute(sa.text(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = :k"), {"k": ws.ledger.writer_key}).all()
+    assert ended == [(True,)]
+
+
+def test_a_run_that_lost_the_warehouse_commits_nothing_and_its_rerun_commits_once(postgres_url, tmp_path, run_id):
+    from trajforge.data.ledger import LockLost
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh", "catalog_url": postgres_url,
+                                            "namespace": f"t{uuid.uuid4().hex[:12]}"}))
+    calls: list[str] = []
+    stage = make_stage(calls)
+    with pytest.raises(LockLost, match="lost its hold on the warehouse.*connection"):
+        with ws.ledger.writing("demo"):
+            p = plan(stage, ws, run_id, None)
+            for shard in p.pending:
+                run_shard(p, shard, ws)
+            _end_writer(ws)
+            commit(p, ws)
+    assert ws.catalog.history("queries") == []  # nothing committed beside whoever holds the warehouse now
+    with ws.ledger.writing("demo"):  # free again, and the rerun commits the recorded shards without redoing them
+        run_all(stage, ws, run_id)
+    assert sorted(ws.catalog.load("queries")["app"]) == APPS and calls == APPS
+    ws.catalog.close()
+
+
+def test_the_writer_lock_outlives_a_server_idle_session_timeout(postgres_url, monkeypatch):
+    """A server (or role) with idle_session_timeout ends idle sessions; the run's lock connection is idle while
+    it works, and must not be one of them."""
+    from trajforge.data.ledger import Ledger
+
+    monkeypatch.setenv("PGOPTIONS", "-c idle_session_timeout=300")  # as the server's own setting would be
+    ledger = Ledger(postgres_url, scope=f"idle-{uuid.uuid4().hex[:8]}")
+    with ledger.writing("demo"):
+        time.sleep(1.0)
+        ledger.check_writing()
+    ledger.engine.dispose()
