@@ -37,8 +37,11 @@ class Hardness:
 
 
 def hardness(attempts: list[tuple[datetime, bool]], *, window: int, below: float) -> Hardness:
-    """Judge one query from its (judged_at, success) attempts, in any order."""
-    ordered = [ok for _, ok in sorted(attempts)]
+    """Judge one query from its (judged_at, success) attempts, in the order they were recorded.
+
+    Ordered by time alone: a night's attempts share one judged_at (the history stage's), and a sort that broke
+    those ties on success put a night's successes last, in the recent window."""
+    ordered = [ok for _, ok in sorted(attempts, key=lambda attempt: attempt[0])]
     successes = sum(ordered)
     if not ordered:
         return Hardness(0, 0, None, False, "never attempted")

@@ -48,9 +48,19 @@ class ParseError(ValueError):
     """Why an answer is not the structured output asked for; said back to the model on a re-ask."""
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refusing a key given twice: json.loads keeps the last one, a guess between two
+    answers (`{"label": "GOOD", "label": "HARMFUL"}`)."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        twice = sorted({key for key, _ in pairs if sum(k == key for k, _ in pairs) > 1})
+        raise ParseError(f"key {', '.join(map(repr, twice))} given more than once")
+    return value
+
+
 def _json_object(text: str) -> object:
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise ParseError(f"not one JSON object: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(value, dict):

@@ -58,6 +58,10 @@ def test_a_query_is_hard_when_it_never_succeeded_or_its_recent_rate_is_low():
     assert not hardness([], window=3, below=0.5).hard  # never tried: nothing says it is hard yet
     # Order of the rows does not matter; time does.
     assert hardness(list(reversed(at(True, False, False, False))), window=3, below=0.5).hard
+    # A night's attempts share one judged_at: they count in the order recorded, not successes last.
+    night = datetime(2026, 1, 5, tzinfo=UTC)
+    same = hardness([(night, ok) for ok in (True, True, False, False, False)], window=3, below=0.5)
+    assert same.hard and same.recent_rate == 0
 
 
 def test_quality_control_drops_steps_that_did_not_do_what_the_thought_said():

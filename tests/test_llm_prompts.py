@@ -111,6 +111,7 @@ def test_parse_one_json_object(text):
         ('{"label": "GOOD", "reason": "r', "not one JSON object"),
         ('{"label": "MAYBE", "reason": "r"}', "does not match Judgement: label"),
         ('{"label": "GOOD"}', "reason: Field required"),
+        ('{"label": "GOOD", "reason": "r", "label": "HARMFUL"}', "key 'label' given more than once"),
     ],
 )
 def test_parse_json_is_strict(text, error):
