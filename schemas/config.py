@@ -622,8 +622,9 @@ class AgenticQSettings(_Section):
         default=2, ge=0, description="States per night given K candidates (K policy calls each); the stage runs as "
         "one shard, so the group weights u(s) are normalised over the whole night.")
     min_std: float = Field(
-        default=0.05, ge=0, description="A group whose candidates' scores have a smaller std is dropped (paper 3.4: "
-        "'highly concentrated'; the threshold is not given).")
+        default=0.05, gt=0, description="A group whose candidates' scores have a smaller std is dropped (paper 3.4: "
+        "'highly concentrated'; the threshold is not given). Above 0: a group scoring 0 throughout has no weight "
+        "u(s) (its mean is 0).")
     temperature: float = Field(default=0.9, gt=0, description="Sampling temperature of the K candidates.")
 
 
