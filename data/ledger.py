@@ -72,6 +72,7 @@ units = sa.Table(
     sa.Column("unit_key", sa.String(512), primary_key=True),
     sa.Column("once_hash", sa.String(64), nullable=False, doc="The configuration and code it did them with."),
     sa.Column("scope", sa.String(200), nullable=False, doc="The warehouse (`Ledger.scope`): not another's units."),
+    sa.Column("replaces", sa.Text, nullable=False, doc="The unit's `StageDef.replaces` value ('' without one)."),
     comment="The units a committed stage run did, for stages that do a unit once per configuration (StageDef.once).",
 )
 
@@ -291,13 +292,24 @@ class Ledger:
                                                                      stages.c.snapshots.is_not(None))).scalars())
 
     def mark_committed(self, run_id: str, stage: str, snapshots: dict[str, int], *, once_hash: str = "",
-                       unit_keys: frozenset[str] = frozenset()) -> None:
+                       unit_keys: frozenset[str] = frozenset(), replaces: dict[str, str] | None = None) -> None:
         """The stage's commits are all in; with `unit_keys`, which units it did as `once_hash` says, in the
-        same transaction (`units_done`)."""
+        same transaction (`units_done`).
+
+        `replaces` (unit key -> its `StageDef.replaces` value): this run's commits took out the rows earlier runs
+        wrote for those values, so those runs' units of the same values count as done no more. Export's keys are
+        an episode and its verdict: an episode rejected, then accepted (its rows replaced), then rejected again
+        was skipped as done by the first run, and kept the acceptance's rows."""
+        replaces = replaces or {}
         with self.engine.begin() as conn:
+            values = sorted(set(replaces.values()))
+            for i in range(0, len(values), 500):  # SQLite's limit on a statement's variables
+                conn.execute(units.delete().where(units.c.stage == stage, units.c.scope == self.scope,
+                                                  units.c.run_id != run_id, units.c.replaces.in_(values[i:i + 500])))
             if unit_keys:
                 conn.execute(units.insert(), [{"run_id": run_id, "stage": stage, "unit_key": key,
-                                               "once_hash": once_hash, "scope": self.scope}
+                                               "once_hash": once_hash, "scope": self.scope,
+                                               "replaces": replaces.get(key, "")}
                                               for key in sorted(unit_keys)])
             conn.execute(
                 stages.update()

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from trajforge.llm.calls import Sampling
 from trajforge.llm.messages import ImagePart, Message, TextPart
 from trajforge.schemas.config import yaml_problem
+from trajforge.schemas.ids import digest
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 _JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=False)
@@ -111,6 +112,18 @@ def _image(value: str | bytes | ImagePart, where: str) -> ImagePart:
         return ImagePart(png=value) if isinstance(value, bytes) else ImagePart(sha256=value)
     except ValidationError as exc:
         raise PromptError(f"{where}: {exc.errors()[0]['msg']}") from None
+
+
+PACKAGE_ROOT = Path(__file__).parents[1]
+
+
+def prompts_fingerprint(root: Path | None = None) -> str:
+    """A digest of every prompt template the package holds (each room's `prompts/*.yaml`, by path and content):
+    what a stage that does its units once (`StageDef.once`) must redo them for when it changes. The code version
+    does not tell it: a checkout already dirty, or an install without git, has the same one after an edit."""
+    root = root or PACKAGE_ROOT
+    files = sorted(root.glob("*/prompts/*.yaml"))
+    return digest("\n".join(f"{path.relative_to(root)}:{digest(path.read_bytes(), 32)}" for path in files))
 
 
 def load_prompt(name: str, folder: Path = PROMPTS_DIR) -> Prompt:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from trajforge.data.catalog import Lineage, Withdrawal, commit_key, write_parquet_atomic
 from trajforge.data.ledger import ShardRecord
+from trajforge.llm.prompts import prompts_fingerprint
 from trajforge.llm.workspace import Workspace, code_version
 from trajforge.schemas.ids import digest
 from trajforge.schemas.stage import StageDef, config_hash
@@ -44,10 +45,13 @@ class StagePlan:
     unit_keys: frozenset[str] = frozenset()
     """Every unit's key, for a stage that does a unit once per configuration (`StageDef.once`)."""
     once_hash: str = ""
-    """What doing a unit again would have to differ in for `StageDef.once`: the config hash and the code version
-    (a new version may bring new prompts)."""
+    """What doing a unit again would have to differ in for `StageDef.once`: the config hash, the code version and
+    the prompts (`prompts_fingerprint`: an edited prompt is new work, in a checkout already dirty or an install
+    without git alike)."""
     withdraw: Withdrawal | None = None
     """The earlier rows this run's units replace (`StageDef.replaces`), taken out by its commits."""
+    replaces: dict[str, str] | None = None
+    """Unit key -> its `StageDef.replaces` value, for the ledger (`Ledger.mark_committed`)."""
 
     @property
     def total(self) -> int:
@@ -70,16 +74,18 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
     config = config_hash(ws.settings, stage.sections, inputs.fingerprint)
     units = sorted(inputs.units, key=stage.key)
     stats = Counter(inputs.stats)
-    once_hash = digest(f"{config}:{code_version()}") if stage.once else ""
+    once_hash = digest(f"{config}:{code_version()}:{prompts_fingerprint()}") if stage.once else ""
     if stage.once and (done := ws.ledger.units_done(stage.name, once_hash, besides=run_id)):
         kept = [u for u in units if stage.key(u) not in done]
         if len(kept) < len(units):
             stats["already done by an earlier run with this configuration"] += len(units) - len(kept)
         units = kept
-    withdraw = None
+    withdraw: Withdrawal | None = None
+    replaces: dict[str, str] | None = None
     if stage.replaces is not None:
         column, value = stage.replaces
         withdraw = Withdrawal(column, frozenset(value(u) for u in units))
+        replaces = {stage.key(u): value(u) for u in units}
     shards = [Shard(digest("\n".join(stage.key(u) for u in chunk)), chunk)
               for chunk in even_chunks(units, stage.shard_size(ws.settings))]
     ws.ledger.plan_stage(run_id, stage.name, len(shards))
@@ -95,6 +101,7 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         unit_keys=frozenset(stage.key(u) for u in units) if stage.once else frozenset(),
         once_hash=once_hash,
         withdraw=withdraw,
+        replaces=replaces,
     )
 
 
@@ -144,7 +151,8 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         if len(landed) == len(stage.writes):
             # Every table landed and the process died before the ledger heard of it; the stage's loader reads its
             # own output (train's checkpoints), so it plans otherwise now. What landed is the whole stage.
-            ws.ledger.mark_committed(run_id, stage.name, landed, once_hash=plan.once_hash, unit_keys=plan.unit_keys)
+            ws.ledger.mark_committed(run_id, stage.name, landed, once_hash=plan.once_hash, unit_keys=plan.unit_keys,
+                                     replaces=plan.replaces)
             return landed
         # a loader that counted this run's own first table commit as earlier work planned fewer units
         raise RuntimeError(f"stage {stage.name!r}: the ledger holds {len(done - plan.shard_ids)} shard(s) this "
@@ -165,6 +173,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         prompts.update(r.prompts)
         for table, paths in r.files.items():
             files[table].extend(paths)
+    ws.ledger.check_writing()  # a run that lost the warehouse (its lock's connection dropped) commits nothing
     snapshots: dict[str, int] = {}
     for table, mode in stage.writes.items():
         lineage = Lineage(
@@ -182,7 +191,8 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         )
         withdraw = plan.withdraw if mode == "append" else None
         snapshots[table] = ws.catalog.commit_files(table, files[table], lineage, mode, withdraw)
-    ws.ledger.mark_committed(run_id, stage.name, snapshots, once_hash=plan.once_hash, unit_keys=plan.unit_keys)
+    ws.ledger.mark_committed(run_id, stage.name, snapshots, once_hash=plan.once_hash, unit_keys=plan.unit_keys,
+                             replaces=plan.replaces)
     return snapshots
 
 

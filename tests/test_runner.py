@@ -292,3 +292,44 @@ def test_the_writer_lock_outlives_a_server_idle_session_timeout(postgres_url, mo
         time.sleep(1.0)
         ledger.check_writing()
     ledger.engine.dispose()
+
+
+def test_a_once_stage_does_its_units_again_when_a_prompt_changes(ws, run_id, tmp_path, monkeypatch):
+    """An edited prompt is new work even where the code version cannot tell (a checkout already dirty, an
+    install without git)."""
+    import trajforge.llm.prompts as prompts
+
+    (tmp_path / "synth" / "prompts").mkdir(parents=True)
+    template = tmp_path / "synth" / "prompts" / "demo.yaml"
+    template.write_text("version: '1'\n")
+    monkeypatch.setattr(prompts, "PACKAGE_ROOT", tmp_path)
+    calls: list[str] = []
+    run_all(once(make_stage(calls)), ws, run_id)
+    run_all(once(make_stage(calls)), ws, f"{run_id}-same")
+    assert calls == APPS
+    template.write_text("version: '2'\n")
+    run_all(once(make_stage(calls)), ws, f"{run_id}-edited")
+    assert calls == APPS + APPS
+
+
+def test_a_unit_key_done_before_another_key_replaced_it_is_done_again(ws, run_id):
+    """Export's keys are an episode and its verdict: rejected, accepted (its rows replaced), then rejected again
+    must leave the last rejection's rows, not the acceptance's."""
+    calls: list[str] = []
+
+    def verdict(state: str) -> StageDef:
+        def run(units, ws, run_id, config_hash):
+            calls.extend(units)
+            out = StageOutput()
+            out.rows["queries"] = [query(run_id, u.split(":")[0]) | {"instruction": u} for u in units]
+            out.rows["episodes"] = []
+            return out
+
+        return StageDef(name="verdicts-demo", key=str, reads=None, writes={"queries": "append", "episodes": "append"},
+                        sections=("query_gen",), load=lambda ws, snap: Inputs(units=[f"app0:{state}"], fingerprint="f"),
+                        run=run, shard_size=lambda s: 2, once=True, replaces=("app", lambda u: u.split(":")[0]))
+
+    for i, state in enumerate(["rejected", "accepted", "rejected", "rejected"]):
+        run_all(verdict(state), ws, f"{run_id}-{i}")
+    assert calls == ["app0:rejected", "app0:accepted", "app0:rejected"]  # the last: done by the third already
+    assert ws.catalog.load("queries")["instruction"].to_list() == ["app0:rejected"]
