@@ -140,7 +140,11 @@ def spec_problems(spec: AppSpec) -> list[str]:
                     elif action.op == "set_checked" and not set(slots[slot]) <= {"on", "off"}:
                         problems.append(f"transitions[{i}].actions[{j}].text: set_checked needs on or off, "
                                         f"slot {{{slot}}} has {slots[slot]}")
+    if spec.start in pages and spec.pages[spec.start].goal is not None:
+        problems.append(f"pages.{spec.start}.goal: the start page cannot be a goal (a task there has no step)")
     for page_id, page in spec.pages.items():
+        problems += [f"pages.{page_id}.slots.{name}: no values to choose from" for name, values in page.slots.items()
+                     if not values]
         templates = {"url": page.url}
         if page.goal:
             templates["goal.instruction"] = page.goal.instruction

@@ -236,7 +236,10 @@ class InterfaceValidator:
             element.scroll_into_view_if_needed(timeout=timeout)
         except PlaywrightError as exc:
             raise env.fault(exc, f"{op} {role} {name!r}") from exc
-        [(x, y, w, h)] = env.find_element(role, name)
+        boxes = env.find_element(role, name)
+        if len(boxes) != 1:  # the one element has no box: hidden, or drawn with no size
+            return f"{role} {name!r} has no visible box to click"
+        x, y, w, h = boxes[0]
         return env.act({"type": "click", "x": round(x + w / 2), "y": round(y + h / 2)})
 
     def validate(self, queries: list[Query]) -> ValidationResult:

@@ -75,6 +75,17 @@ def test_unknown_slot_and_field_errors(tmp_path):
         load_spec(write(tmp_path, bad))
 
 
+def test_a_start_page_goal_and_a_slot_with_no_values_are_named(tmp_path):
+    """Both once crashed the sampler (an empty min(), an empty choice) with no file or field named."""
+    bad = copy.deepcopy(SPEC)
+    bad["pages"]["home"]["goal"] = {"checker": "saved", "instruction": "Stay home"}
+    bad["pages"]["dish"]["slots"]["size"] = []
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, bad))
+    assert "pages.home.goal: the start page cannot be a goal" in str(err.value)
+    assert "pages.dish.slots.size: no values to choose from" in str(err.value)
+
+
 def test_cycle_is_rejected(tmp_path):
     bad = copy.deepcopy(SPEC)
     bad["transitions"].append({"from": "cart", "to": "home", "actions": [{"op": "click", "role": "link", "name": "Home"}]})
