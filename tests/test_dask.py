@@ -21,7 +21,8 @@ from fault_bench import CONFIG, cli_env, compare  # the benchmark owns the compa
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings, WarehouseSettings
 
-pytestmark = [pytest.mark.postgres, pytest.mark.browser]
+# The suite's 600 s counts fixture setup too: a Dask cluster, maybe the shared replay night, then a night of its own.
+pytestmark = [pytest.mark.postgres, pytest.mark.browser, pytest.mark.timeout(1800)]
 
 DASK = str(Path(sys.executable).with_name("dask"))
 
@@ -97,7 +98,7 @@ def _assert_equal_nights(reference: Path, folder: Path, warehouse: WarehouseSett
     assert (got.lost, got.duplicated, got.false_failures) == (0, 0, 0), differing
 
 
-def test_a_night_on_two_dask_workers_equals_the_thread_runners(cluster, replay_night, postgres_url,
+def test_a_night_on_two_dask_workers_equals_the_thread_runners(postgres_url, cluster, replay_night,
                                                                trajforge_cli, tmp_path) -> None:
     reference, _ = replay_night
     warehouse = _night_folder(tmp_path, postgres_url, cluster.address)
@@ -108,7 +109,7 @@ def test_a_night_on_two_dask_workers_equals_the_thread_runners(cluster, replay_n
     _assert_equal_nights(reference, tmp_path, warehouse)
 
 
-def test_a_worker_killed_mid_stage_then_rerun_loses_and_duplicates_nothing(cluster, replay_night, postgres_url,
+def test_a_worker_killed_mid_stage_then_rerun_loses_and_duplicates_nothing(postgres_url, cluster, replay_night,
                                                                             trajforge_cli, tmp_path) -> None:
     from distributed import Client
 

@@ -83,7 +83,6 @@ def test_a_line_read_before_is_remembered_and_reads_the_same():
 def test_openvino_finds_the_lines_onnxruntime_finds():
     """The detector runs on OpenVINO, not on rapidocr's own onnxruntime session, under the same engine id: so
     every reading cached before (and on any machine) must be the one the onnxruntime detector gives."""
-    pytest.importorskip("rapidocr")
     from trajforge.llm.ocr import LineMemo, _OpenVinoDetector, _Rapid, _rapidocr_on_onnxruntime
 
     png, _ = page([("Search products", (12, 8)), ("Blue teapot $12.50", (30, 60)),
@@ -136,7 +135,6 @@ def test_warehouses_can_share_one_ocr_cache(tmp_path, monkeypatch):
 
 
 def test_a_missing_backend_names_the_install_command(tmp_path):
-    pytest.importorskip("rapidocr")
     reader = OcrReader("paddleocr", paddle_det_dir=tmp_path, paddle_rec_dir=tmp_path)
     png, _ = page([("x", (0, 0))])
     with pytest.raises(OcrBackendMissing, match="pip install paddleocr paddlepaddle|synth.paddle_det_dir"):

@@ -20,7 +20,8 @@ from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import NOT_ROLLED_AGAIN
 from trajforge.schemas.config import Settings
 
-pytestmark = pytest.mark.browser
+# The suite's 600 s counts fixture setup too: the first test here pays for the two nights.
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(1500)]
 
 DONE_BEFORE = "already done by an earlier run with this configuration"
 """The count `StageDef.once` stages give in their lineage's stats (tasks/runner.py)."""

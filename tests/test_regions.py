@@ -72,6 +72,7 @@ def wait_for_environment(python: Path, log: Path, timeout: float = 900) -> None:
         pytest.fail(f"{exc}; its build's log:\n{tail}")
 
 
+@pytest.mark.timeout(1200)  # waits up to 900 s for .ci/run's SAM build, to fail with its log rather than a dump
 def test_segment_anything_path_runs_on_a_random_vit_b():
     """segment-anything needs torchvision, which imports only beside torch 2.14.1 (shared/FACTS.md), not beside
     the project's torch 2.13.0; CI builds that pair in its own environment and names its python here."""

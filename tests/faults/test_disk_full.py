@@ -9,22 +9,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import require
 from fault_bench import CONFIG, cli_env, compare  # the benchmark owns the comparison
 
 from trajforge.schemas.config import WarehouseSettings
 
-pytestmark = pytest.mark.browser
+# The suite's 600 s counts fixture setup too: the shared replay night, then two nights of its own.
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MB tmpfs (a night writes about 6 MB), as root can mount one; skipped where that is not allowed."""
+    """A 2 MB tmpfs (a night writes about 6 MB), as root can mount one; skipped where that is not allowed
+    (a failure where CI requires services)."""
     mount = tmp_path / "disk"
     mount.mkdir()
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
                           text=True, check=False)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    require(made.returncode == 0, f"cannot mount a small tmpfs here (CI runs as root, and must): "
+                                  f"{made.stderr.strip()}")
     try:
         yield mount
     finally:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from fault_bench import chain, compare  # the benchmark owns the harness
 
-pytestmark = pytest.mark.browser
+# The suite's 600 s counts fixture setup too: the shared replay night, then a chain of killed nights and reruns.
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(1800)]
 
 POINTS = [("rollout", "shards"), ("rollout", "commit"), ("critics", "commit"), ("grounding", "commit"),
           ("agentic_q", "commit"), ("nightly", "report")]
