@@ -159,7 +159,11 @@ def load_hard_queries(ws: Workspace, snapshot: int | None) -> Inputs[HardQuery]:
             why = "never attempted" if h.attempts == 0 else f"recent success rate at or above {loop.hard_below}"
             stats[f"not hard: {why}"] += 1
         else:
-            refs = buffer.filter(pl.col("query_id") == q["query_id"]).sort("run_id", descending=True).head(2).to_dicts()
+            # The newest two, by when their run started (a run id is FLOW-YYYYmmddTHHMMSS-hex: sorted whole, every
+            # `reference-...` run came before any `nightly-...` one whatever its date), ties by entry.
+            started = pl.col("run_id").str.split("-").list.get(-2, null_on_oob=True)
+            refs = (buffer.filter(pl.col("query_id") == q["query_id"])
+                    .sort(started, "entry_id", descending=True).head(2).to_dicts())
             refs += [d | {"new": d["entry_id"] not in known} for d in demos if d["query_id"] == q["query_id"]]
             hard.append((h.recent_rate, -h.attempts, q["query_id"], Query.model_validate(q), h.reason, refs))
     hard.sort(key=lambda t: t[:3])

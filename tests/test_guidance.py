@@ -196,3 +196,32 @@ def test_rollout_run_alone_finds_the_guidance_written_for_its_queries_version(tm
     assert inputs.snapshots == {"queries": first, "guidance": guided}  # the rollout's lineage names it
     later = queries("history-run-2")
     assert load_queries(ws, later).units[0].guidance is None
+
+
+def test_a_hard_query_is_guided_from_its_newest_references(tmp_path):
+    """The two newest replay-buffer entries by when their run started: not by the run id's flow name (every
+    `reference-...` run sorted before any `nightly-...` one whatever its date)."""
+    from trajforge.data.catalog import Lineage
+    from trajforge.guidance.stage import load_hard_queries
+    from trajforge.llm.workspace import Workspace
+    from trajforge.schemas.records import QueryAttempt, ReplayEntry
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+
+    def commit(table: str, rows: list, run: str) -> int:
+        return ws.catalog.commit_rows(table, rows, Lineage(stage="test", run_id=run, commit_key=f"{run}:{table}",
+                                                           inputs={}, config_hash="x", code_version="x"))
+
+    query = Query(run_id="q-run", query_id="q1", app="shop", source="page_graph", instruction="Open the cart",
+                  path=["home", "cart"], slots_json="{}", checker="url", checker_params_json="{}", max_steps=5,
+                  generator="test", created_at=T0)
+    queries = commit("queries", [query], "q-run")
+    commit("query_history", [QueryAttempt(run_id="h", episode_id="e0", query_id="q1", app="shop", source="page_graph",
+                                          iteration=0, policy="random", model_id="m", success=False, judged_at=T0)],
+           "h")
+    runs = ["nightly-20261103T020000-aaaaaa", "reference-20261101T020000-bbbbbb", "nightly-20261110T020000-cccccc"]
+    for run in runs:
+        commit("replay_buffer", [ReplayEntry(run_id=run, entry_id=f"replay:{run}", query_id="q1", origin="replay",
+                                             episode_id=run, instruction="Open the cart", steps_json="[]")], run)
+    [unit] = load_hard_queries(ws, queries).units
+    assert [r["run_id"] for r in unit.references] == [runs[2], runs[0]]
