@@ -227,9 +227,12 @@ class AppUnit:
 
 
 def load_apps(ws: Workspace, _: int | None) -> Inputs[AppUnit]:
-    """The configured apps; their specs' content is part of the config hash, so an edited spec is new work."""
+    """The configured apps; their specs' content is part of the config hash, so an edited spec is new work, and so
+    is the viewport the apps are crawled in (`rollout.viewport`: its screens are the pages rows, its action space
+    decides which queries pass validation)."""
     kinds = configured_kinds(ws.settings)
-    fingerprint = digest("".join(k.spec.model_dump_json() for k in kinds if k.spec is not None))
+    fingerprint = digest("".join(k.spec.model_dump_json() for k in kinds if k.spec is not None)
+                         + ws.settings.rollout.viewport)
     return Inputs(units=[AppUnit(k.name) for k in kinds], fingerprint=fingerprint)
 
 

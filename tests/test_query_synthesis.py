@@ -257,3 +257,18 @@ def test_near_duplicates_differ_only_in_case_punctuation_and_spacing(shop: Bundl
     stats = coverage(shop.spec, kept)
     assert stats["coverage: shop: pages used"] == 3 and stats["coverage: shop: transitions used"] == 2
     assert stats["coverage: shop: slot values used"] == 3  # Pad Thai, Small, Large
+
+
+def test_the_crawl_viewport_is_part_of_query_generations_config_hash(tmp_path):
+    """A desktop night crawls other screens (the pages rows) and validates for another action space than a mobile
+    one: its lineage must not claim the same configuration."""
+    from trajforge.llm.workspace import Workspace
+    from trajforge.query_gen.stage import STAGE
+    from trajforge.schemas.config import Settings
+    from trajforge.schemas.stage import config_hash
+
+    def hashed(viewport: str) -> str:
+        ws = Workspace.open(Settings(warehouse={"path": tmp_path / viewport}, rollout={"viewport": viewport}))
+        return config_hash(ws.settings, STAGE.sections, STAGE.load(ws, None).fingerprint)
+
+    assert hashed("mobile") != hashed("desktop")
