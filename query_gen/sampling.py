@@ -55,6 +55,16 @@ def _slots_used(spec: AppSpec, path: list[str]) -> set[str]:
     return used
 
 
+def _asks_for_all(spec: AppSpec, path: list[str]) -> bool:
+    """Whether the path's goal asks for every slot the path fills. The writer's path editor -> text_saved ->
+    share_dialog types and saves a text on the way to sharing: a task "Share the document" whose reference replay
+    does more than the instruction asks (and whose step budget counts it)."""
+    goal = spec.pages[path[-1]].goal
+    assert goal is not None
+    asked = placeholders(goal.instruction).union(*(placeholders(v) for v in goal.params.values()))
+    return _slots_used(spec, path) <= asked
+
+
 def goal_paths(spec: AppSpec, max_len: int) -> list[list[str]]:
     """Every simple path from the start page to a goal page, at most max_len pages long."""
     g = spec.graph()
@@ -68,6 +78,9 @@ def sample_tasks(spec: AppSpec, n: int, *, seed: int, max_len: int) -> list[Samp
     """Up to n tasks with distinct instructions; fewer when the graph and its slots allow fewer."""
     rng = random.Random(seed)
     paths = goal_paths(spec, max_len)
+    # A path that fills slots its goal does not ask for is sampled only for a goal that has no other path.
+    exact = {p[-1] for p in paths if _asks_for_all(spec, p)}
+    paths = [p for p in paths if p[-1] not in exact or _asks_for_all(spec, p)]
     if not paths:
         return []
     g = spec.graph()

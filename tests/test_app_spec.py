@@ -130,3 +130,16 @@ def test_a_spec_that_is_not_yaml_names_its_line_and_column(tmp_path):
     with pytest.raises(SpecError, match=r"spec.yaml:3:1: not valid YAML: expected ',' or '\]'") as err:
         load_spec(path)
     assert "\n" not in str(err.value)  # one line, not PyYAML's drawing of it
+
+
+def test_a_task_takes_no_path_that_does_more_than_its_instruction_asks():
+    """The writer's share goal is reached straight from the editor or after typing and saving a text: the second
+    route would give "Share the document with ..." a reference replay that types and saves a text nobody asked
+    for, so it is not sampled (the goal has the first)."""
+    from trajforge.envs.apps import load_app
+
+    spec = load_app("writer").spec
+    tasks = sample_tasks(spec, 20, seed=0, max_len=8)
+    shared = [t for t in tasks if t.path[-1] in ("share_dialog", "shared")]
+    assert shared and all("text_saved" not in t.path and "text" not in dict(t.slots) for t in shared)
+    assert any(t.path[-1] == "text_saved" for t in tasks)  # the text's own goal is still asked for
