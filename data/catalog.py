@@ -216,6 +216,12 @@ def _local_path(location: str) -> Path:
     return Path(unquote(parsed.path))
 
 
+def data_folder(table: Table) -> Path:
+    """The folder of a table's data files, from its own location: reading it needs no record model (a table a
+    removed stage wrote has none) and commits nothing (`Catalog.table` may evolve the schema)."""
+    return _local_path(table.location()) / "data"
+
+
 def referenced_files(table: Table, snapshot_ids: Iterable[int]) -> set[Path]:
     """The local files any of these versions of `table` reads.
 
@@ -498,7 +504,7 @@ class Catalog:
 
     def data_dir(self, name: str) -> Path:
         """The folder where a stage writes its shard Parquet files before `commit_files`."""
-        path = _local_path(self.table(name).location()) / "data"
+        path = data_folder(self.table(name))
         path.mkdir(parents=True, exist_ok=True)
         return path
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -29,9 +30,39 @@ TRAINING_TABLES = tuple(sorted(name for name, model in RECORDS.items() if issubc
 """The tables a fine-tuning job reads: the end-to-end steps and every chat-sample table."""
 
 
+DEFAULT_WAREHOUSE = Path("data/warehouse")
+
+
+def find_project(start: Path | None = None) -> tuple[Path, Path | None]:
+    """The project folder and its config: $TRAJFORGE_CONFIG's; else, from `start` (the working folder) up, as git
+    finds .git, the first folder with a trajforge.yaml or with a warehouse at the default path (a night run on
+    the embedded defaults has no config file). Jupyter starts a kernel in the notebook's own folder
+    (`notebooks/`), below the project's. Neither found: `start` itself, with no config."""
+    if env := os.environ.get("TRAJFORGE_CONFIG"):
+        return Path(env).resolve().parent, Path(env)
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "trajforge.yaml").is_file():
+            return folder, folder / "trajforge.yaml"
+        if (folder / DEFAULT_WAREHOUSE / "catalog.db").is_file():
+            return folder, None
+    return here, None
+
+
 def open_catalog(config: Path | str | None = None) -> Catalog:
-    """The catalog that `trajforge` uses in this folder (trajforge.yaml and TRAJFORGE_* apply)."""
-    return Catalog.from_settings(load_settings(Path(config) if config else None).warehouse)
+    """The catalog of the project (`find_project`; trajforge.yaml and TRAJFORGE_* apply), its warehouse path
+    taken relative to the project's folder. Opening only reads: where the warehouse does not exist it is an error
+    naming the path, not a new empty warehouse (whose "0 tables" would fail cells further down)."""
+    root, path = (Path(config).resolve().parent, Path(config)) if config else find_project()
+    wh = load_settings(path).warehouse
+    wh = wh.model_copy(update={"path": root / wh.path.expanduser()})  # an absolute path stays as it is
+    if wh.catalog_url is None and not (wh.path / "catalog.db").is_file():
+        where = f"warehouse.path of {path}" if path is not None else (
+            f"the default warehouse.path: no trajforge.yaml nor warehouse in {Path.cwd()} or a folder above it")
+        raise FileNotFoundError(
+            f"no warehouse at {wh.path} ({where}); run `trajforge run nightly` in the project, or point the "
+            "notebook at its config: open_catalog('path/to/trajforge.yaml') or TRAJFORGE_CONFIG")
+    return Catalog.from_settings(wh)
 
 
 def blob_store(catalog: Catalog) -> BlobStore:

@@ -40,7 +40,14 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
 
 from trajforge.data.blobs import SHA256, BlobStore
-from trajforge.data.catalog import RUN_ID_KEY, Catalog, metadata_files, referenced_files, snapshot_lineage
+from trajforge.data.catalog import (
+    RUN_ID_KEY,
+    Catalog,
+    data_folder,
+    metadata_files,
+    referenced_files,
+    snapshot_lineage,
+)
 from trajforge.data.ledger import Ledger
 
 
@@ -153,13 +160,13 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
             if not dry_run:
                 catalog.expire_versions(name, expired)
         out.kept_snapshots[name] = len(keep[name])
-        for path in sorted(catalog.data_dir(name).glob("*.parquet")):
+        for path in sorted(data_folder(tbl).glob("*.parquet")):  # not data_dir: a read must not evolve a table
             if path not in live and path not in pending and _old(path, cutoff):
                 out.data_files.append(path)
         # After the expiry's commit the table is read again: that commit wrote the metadata that now holds it.
         current = tbl if dry_run or not expired else catalog.iceberg.load_table((catalog.namespace, name))
         needed = metadata_files(current, keep[name])
-        for path in sorted(catalog.data_dir(name).with_name("metadata").glob("*")):
+        for path in sorted(data_folder(tbl).with_name("metadata").glob("*")):
             if path.is_file() and path not in needed and _old(path, cutoff):
                 out.metadata_files.append(path)
     mentioned = _hashes(referenced | pending)

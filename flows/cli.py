@@ -112,21 +112,41 @@ def _shown_url(url: str) -> str:
 
 
 def _open(config: Path | None, models: bool = False) -> tuple[Settings, Workspace]:
-    """The settings and workspace of a command; `models` also checks the models a run asks (preflight)."""
-    import sqlalchemy as sa
+    """The settings and workspace of a command; `models` also checks the models a run asks (preflight). Opening
+    creates the warehouse where there is none (a run's first commit needs it)."""
+    settings = _settings(config, models)
+    return settings, _workspace(settings)
 
+
+def _settings(config: Path | None, models: bool = False) -> Settings:
+    """The checked settings of a command (preflight), exiting with a usage error where they are wrong."""
     from trajforge.envs.apps import UnknownAppError
     from trajforge.envs.miniwob import MiniWoBError
     from trajforge.envs.spec import SpecError
     from trajforge.flows.preflight import preflight
+
+    try:
+        return preflight(str(config) if config else None, models=models)
+    except (ConfigError, SpecError, MiniWoBError, UnknownAppError) as exc:
+        raise _fail(str(exc)) from None
+
+
+def _no_warehouse(settings: Settings) -> Path | None:
+    """The local warehouse's folder where it has no catalog yet (no night ran); None where it has one, or the
+    catalog is a database elsewhere. A command that only reads says so rather than create an empty one."""
+    wh = settings.warehouse
+    path = wh.path.expanduser().resolve()
+    return path if wh.catalog_url is None and not (path / "catalog.db").exists() else None
+
+
+def _workspace(settings: Settings) -> Workspace:
+    """The workspace of checked settings; an unreachable catalog database is a failure at run time."""
+    import sqlalchemy as sa
+
     from trajforge.llm.workspace import Workspace
 
     try:
-        settings = preflight(str(config) if config else None, models=models)
-    except (ConfigError, SpecError, MiniWoBError, UnknownAppError) as exc:
-        raise _fail(str(exc)) from None
-    try:
-        return settings, Workspace.open(settings)
+        return Workspace.open(settings)
     except sa.exc.ArgumentError as exc:
         raise _fail(f"warehouse.catalog_url: {exc}") from None
     except sa.exc.OperationalError as exc:
@@ -295,11 +315,21 @@ def run(
 @datasets.command("list")
 def datasets_list(config: ConfigOpt = None) -> None:
     """Every table with its latest version."""
-    _, ws = _open(config)
+    settings = _settings(config)
+    if (missing := _no_warehouse(settings)) is not None:
+        console.print(f"no tables yet in {missing}", highlight=False, soft_wrap=True)
+        return
+    ws = _workspace(settings)
+    names = ws.catalog.tables()
+    if not names:
+        url = settings.warehouse.catalog_url
+        where = _shown_url(url.get_secret_value()) if url else ws.catalog.warehouse
+        console.print(f"no tables yet in {where}", highlight=False, soft_wrap=True)
+        return
     table = Table()
     for col in ("table", "versions", "latest snapshot", "rows", "committed at", "stage", "tags"):
         table.add_column(col)
-    for name in ws.catalog.tables():
+    for name in names:
         history = ws.catalog.history(name)
         if not history:
             table.add_row(name, "0", "-", "0", "-", "-", "")
@@ -355,9 +385,9 @@ def datasets_show(
     console.print(f"[bold]{table}@{snapshot}[/]: {version.total_rows} rows, {head.width} columns")
     if version.lineage is not None:  # None: not written by a stage
         console.print_json(version.lineage.model_dump_json())
-    if head.is_empty():
-        console.print("no rows; columns: " + ", ".join(f"{n} ({t})" for n, t in head.schema.items()),
-                      markup=False, highlight=False)
+    if head.is_empty():  # an empty version, or --limit 0: the columns alone
+        console.print(("columns: " if version.total_rows else "no rows; columns: ")
+                      + ", ".join(f"{n} ({t})" for n, t in head.schema.items()), markup=False, highlight=False)
         return
     with pl.Config(tbl_rows=limit, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=10_000):
         shown = str(head)
@@ -397,9 +427,13 @@ def _by_column(frame: pl.DataFrame, width: int) -> str:
 @datasets.command("diff")
 def datasets_diff(table: str, a: str, b: str, config: ConfigOpt = None) -> None:
     """Rows added, removed and changed between versions A and B (ids, tags or 'latest')."""
+    if "@" in table:
+        raise _fail(f"give the table as TABLE, not TABLE@VERSION: {table!r}; the versions to compare are A and B")
     _, ws = _open(config)
     with _usage_errors():
         diff = ws.catalog.diff(table, a, b)
+    if diff.a is None and diff.b is None:  # both 'latest' of a table no stage has written yet
+        raise _fail(_no_version(table))
     console.print(str(diff))
     key = diff.key
     for label, frame in (("added", diff.added), ("removed", diff.removed)):

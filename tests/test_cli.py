@@ -17,7 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 from fault_bench import cli_env
+from test_catalog import lineage, query_row
 
+from trajforge.data.catalog import Catalog
 from trajforge.flows.stages import stages
 
 SENTINEL = "S3NT1NEL-pw-7f3a"
@@ -137,8 +139,44 @@ def test_a_table_with_no_version_names_the_stages_that_write_it(tmp_path: Path, 
             "error: table 'steps' has no version yet; `trajforge run reference` or `trajforge run rollout` writes it\n")
 
 
+def test_datasets_list_before_any_night_says_so_and_creates_no_warehouse(tmp_path: Path, trajforge_cli: str) -> None:
+    proc = run(trajforge_cli, tmp_path, "datasets", "list")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == f"no tables yet in {tmp_path / 'data' / 'warehouse'}"
+    assert not (tmp_path / "data").exists()
+
+
+def queries_warehouse(cwd: Path) -> None:
+    """A warehouse at the default path under `cwd` whose queries table has one version of two rows."""
+    with Catalog(cwd / "data" / "warehouse") as catalog:
+        catalog.commit_rows("queries", [query_row("q1"), query_row("q2")], lineage("q"))
+
+
+def test_datasets_show_with_limit_0_gives_the_columns_and_the_row_count(tmp_path: Path, trajforge_cli: str) -> None:
+    queries_warehouse(tmp_path)
+    proc = run(trajforge_cli, tmp_path, "datasets", "show", "queries", "--limit", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ": 2 rows," in proc.stdout and "columns: run_id (String), query_id (String)" in proc.stdout
+    assert "no rows" not in proc.stdout
+
+
+def test_datasets_diff_of_a_versioned_table_is_a_usage_error(tmp_path: Path, trajforge_cli: str) -> None:
+    queries_warehouse(tmp_path)
+    proc = run(trajforge_cli, tmp_path, "datasets", "diff", "queries@latest", "latest", "latest")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr.startswith(
+        "error: give the table as TABLE, not TABLE@VERSION: 'queries@latest'"), proc.stderr
+
+
+def test_datasets_diff_of_a_table_with_no_version_says_what_writes_it(tmp_path: Path, trajforge_cli: str) -> None:
+    queries_warehouse(tmp_path)
+    proc = run(trajforge_cli, tmp_path, "datasets", "diff", "steps", "latest", "latest")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr == (
+        "error: table 'steps' has no version yet; `trajforge run reference` or `trajforge run rollout` writes it\n")
+
+
 def test_export_of_an_unknown_format_is_a_usage_error(tmp_path: Path, trajforge_cli: str) -> None:
-    pytest.importorskip("trajforge.synth.handoff")
     proc = run(trajforge_cli, tmp_path, "export", "train_e2e@latest", "--format", "nope", "--out", "out")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "unknown format 'nope'" in proc.stderr

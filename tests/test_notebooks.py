@@ -14,8 +14,10 @@ from typing import Any
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from test_catalog import lineage, query_row
 
-pytestmark = pytest.mark.browser
+from trajforge.data.catalog import Catalog
+from trajforge.data.notebook import open_catalog
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -40,6 +42,7 @@ def outputs(nb: Any, tag: str) -> list[Any]:
     return cell.outputs
 
 
+@pytest.mark.browser
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_on_a_night(path, replay_night, tmp_path, monkeypatch):
     cwd, tag = replay_night
@@ -60,3 +63,44 @@ def test_nights_notebook_is_stored_without_outputs():
     nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / "nights.ipynb", as_version=4)
     nbformat.validate(nb)
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+
+
+@pytest.fixture
+def no_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No TRAJFORGE_CONFIG nor a warehouse setting from the caller's environment."""
+    for name in ("TRAJFORGE_CONFIG", "TRAJFORGE_WAREHOUSE__PATH", "TRAJFORGE_WAREHOUSE__CATALOG_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_notebook_in_a_subfolder_opens_the_projects_catalog(tmp_path, monkeypatch, no_config_env):
+    """Jupyter starts a kernel in the notebook's folder (`notebooks/`); the project's trajforge.yaml is above it,
+    and its warehouse path is relative to that file's folder, not to the kernel's."""
+    (tmp_path / "trajforge.yaml").write_text("warehouse:\n  path: store\n")
+    with Catalog(tmp_path / "store") as catalog:
+        catalog.commit_rows("queries", [query_row("q1")], lineage("q"))
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    with open_catalog() as catalog:
+        assert catalog.warehouse == tmp_path / "store"
+        assert catalog.load("queries")["query_id"].to_list() == ["q1"]
+    assert list((tmp_path / "notebooks").iterdir()) == []
+
+
+def test_a_notebook_in_a_subfolder_finds_a_night_run_on_the_defaults(tmp_path, monkeypatch, no_config_env):
+    """The README's first command runs a night with no trajforge.yaml: its warehouse is data/warehouse in the
+    checkout, which the notebook's kernel (in notebooks/) finds above it."""
+    with Catalog(tmp_path / "data" / "warehouse") as catalog:
+        catalog.commit_rows("queries", [query_row("q1")], lineage("q"))
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    with open_catalog() as catalog:
+        assert catalog.warehouse == tmp_path / "data" / "warehouse"
+        assert catalog.load("queries")["query_id"].to_list() == ["q1"]
+
+
+def test_a_folder_with_no_warehouse_is_an_error_naming_where_it_looked(tmp_path, monkeypatch, no_config_env):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="TRAJFORGE_CONFIG") as exc:
+        open_catalog()
+    assert str(tmp_path / "data" / "warehouse") in str(exc.value)
+    assert list(tmp_path.iterdir()) == [], "a read creates no warehouse"

@@ -139,6 +139,31 @@ def test_expire_keeps_what_is_younger_than_the_cutoff(tmp_path: Path) -> None:
     assert (gone.snapshots, gone.data_files, gone.blobs) == ({}, [], [])
 
 
+def test_expire_handles_a_table_the_code_no_longer_knows(tmp_path: Path) -> None:
+    """A table a removed stage wrote stays in the catalog: expire treats it like any other table."""
+    catalog = Catalog(tmp_path / "warehouse")
+    tbl = catalog.iceberg.create_table((catalog.namespace, "retired_stage"), schema=to_arrow("queries", []).schema)
+    for i in range(2):
+        tbl.overwrite(to_arrow("queries", [query_row(f"q{i}")]))
+    first = tbl.refresh().metadata.snapshots[0].snapshot_id
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    gone = expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
+    assert gone.snapshots["retired_stage"][0] == first and gone.kept_snapshots["retired_stage"] == 1
+    assert catalog.load("retired_stage")["query_id"].to_list() == ["q1"]
+
+
+def test_a_dry_run_commits_nothing_even_to_a_table_of_an_older_schema(tmp_path: Path) -> None:
+    """A table written before its model gained a column would be evolved on a write; a dry run must not."""
+    catalog = Catalog(tmp_path / "warehouse")
+    old = to_arrow("queries", [query_row("q1")]).drop_columns(["actions_json"])
+    catalog.iceberg.create_table((catalog.namespace, "queries"), schema=old.schema).append(old)
+    before = catalog.iceberg.load_table((catalog.namespace, "queries")).metadata_location
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later,
+           dry_run=True)
+    assert catalog.iceberg.load_table((catalog.namespace, "queries")).metadata_location == before
+
+
 def test_the_cli_dry_run_lists_and_removes_nothing(replay_night, trajforge_cli) -> None:
     cwd, _ = replay_night
     cache = ResponseCache(workspace(cwd).catalog.uri)  # the replay night asked no model: one answer from 1999
