@@ -134,20 +134,23 @@ class Describer:
                 where = {"entry_id": entry_id, "step_index": step["step_index"]}
                 outcome = changes(step)
                 reason = rule_check(step)
+                unparsed: dict[str, str] = {}
                 if reason is None and self.gateway is not None:
-                    outcome, reason = self._ask(instruction, step, outcome, out)
+                    outcome, reason, unparsed = self._ask(instruction, step, outcome, out)
                 out.outcomes.append({**where, "action": action_text(step), "thought": step.get("thought") or "",
-                                     "outcome": outcome, "kept": reason is None})
+                                     "outcome": outcome, "kept": reason is None, **unparsed})
                 if reason is not None:
                     out.dropped.append({**where, "reason": reason})
         return out
 
-    def _ask(self, instruction: str, step: dict[str, Any], fallback: str, out: Distilled) -> tuple[str, str | None]:
-        """The model's description of one step and its judgement against the step's thought."""
+    def _ask(self, instruction: str, step: dict[str, Any], fallback: str, out: Distilled
+             ) -> tuple[str, str | None, dict[str, str]]:
+        """The model's description of one step and its judgement against the step's thought; where its answer did
+        not parse, the rules' judgement stands and the outcome records the answer and why (the third value)."""
         assert self.gateway is not None
         if not step.get("screenshot_before") or not step.get("screenshot_after"):
             out.count("steps without screenshots: outcome from the recorded changes")
-            return fallback, None
+            return fallback, None, {}
         action = {"type": step["action_type"], **json.loads(step["action_json"])}
         drawn = annotate(self.blobs.get(step["screenshot_before"]), action, step.get("target_box"))
         before = self.blobs.put(drawn).sha256 if drawn is not None else step["screenshot_before"]
@@ -160,12 +163,12 @@ class Describer:
         out.observation_mode, out.model_id = result.record.observation_mode, result.record.model_id
         if result.parsed is None:
             out.count("outcome answers that did not parse: recorded changes used, rules decided")
-            return fallback, None
+            return fallback, None, {"describer_raw": result.text, "describer_error": result.parse_error or ""}
         parsed: Outcome = result.parsed
         text = parsed.outcome.strip() or fallback
         if not parsed.as_intended:
-            return text, f"the describer found it did not do what was intended: {parsed.reason.strip() or text}"
-        return text, None
+            return text, f"the describer found it did not do what was intended: {parsed.reason.strip() or text}", {}
+        return text, None, {}
 
     def summarise(self, instruction: str, essential: list[str], out: Distilled) -> str:
         """A short summary of the essential steps (the model's, or a fixed sentence in template mode)."""

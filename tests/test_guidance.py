@@ -225,3 +225,26 @@ def test_a_hard_query_is_guided_from_its_newest_references(tmp_path):
                                              episode_id=run, instruction="Open the cart", steps_json="[]")], run)
     [unit] = load_hard_queries(ws, queries).units
     assert [r["run_id"] for r in unit.references] == [runs[2], runs[0]]
+
+
+def test_an_unparsed_describer_answer_is_kept_beside_the_rules_judgement(tmp_path):
+    """The rules decide a step whose describer answer did not parse; the outcome says so and keeps the answer,
+    rather than pass as a judgement the model made."""
+    from scripted import Reply, ScriptedServer
+
+    from trajforge.schemas.config import LLMSettings
+
+    blobs = BlobStore(tmp_path / "blobs")
+    before, after = blobs.put(_png((255, 255, 255))).sha256, blobs.put(_png((0, 0, 0))).sha256
+    with ScriptedServer(Reply(text="It worked, I think.")) as server:
+        llm = LLMSettings.model_validate({"endpoints": {"vl": {"base_url": server.url, "model": "scripted-vl",
+                                                                "vision": True, "max_retries": 0, "timeout_s": 5}},
+                                          "reask": 0, "cache": False})
+        with Gateway(llm, blobs=blobs) as gateway:
+            distilled = Describer(gateway, blobs, model="vl").distill(
+                "Open the settings", [("replay:a", [step(0, thought="click 'Settings'", before_png=before,
+                                                         after_png=after)])])
+    [outcome] = distilled.outcomes
+    assert outcome["kept"] and outcome["describer_raw"] == "It worked, I think."
+    assert outcome["describer_error"].startswith("not one JSON object")
+    assert distilled.stats == {"outcome answers that did not parse: recorded changes used, rules decided": 1}
