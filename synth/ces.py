@@ -156,8 +156,11 @@ def executor_output(step: Step) -> str:
 
 
 def _fallback_state(steps: list[Step], upto: int) -> str:
-    """The trusted actions of steps 0..upto as instructions: the state when the model's was unusable."""
-    return "Done so far: " + "; ".join(atomic_instruction(s)[0] for s in steps[: upto + 1]) + "."
+    """The actions of steps 0..upto as instructions: the state when the model's was unusable. An invalid action
+    was not carried out, so it is not done ("Do " of nothing); a valid one the step critic called HARMFUL was,
+    and the screen after it shows it, so it stays."""
+    done = [atomic_instruction(s)[0] for s in steps[: upto + 1] if s.action_valid]
+    return "Done so far: " + "; ".join(done) + "." if done else START
 
 
 # ---------------------------------------------------------------- the model calls
@@ -254,14 +257,14 @@ def _prompt(c: _CES, name: str, **variables: Any) -> tuple[str, list[bytes]]:
 
 
 def _choose(units: list[TrustedEpisode], budget: int) -> list[tuple[TrustedEpisode, int]]:
-    """Up to `budget` valid trusted steps spread over the episodes: each episode's steps in an order a hash of their
-    ids fixes (the paper samples GUI-Odyssey steps at random; a hash keeps a rerun's choice, and so its cache),
-    step 0 last, then the first of every episode before the second of any. Step 0 gives a coordinator group but
-    no state-tracker group (it has no earlier step): drawn first, as on 2026-12-01's default night (a budget of
-    one step), it left `ces_state_tracker_rl` without a row."""
+    """Up to `budget` imitable trusted steps (`TrustedEpisode.imitable`) spread over the episodes: each episode's
+    steps in an order a hash of their ids fixes (the paper samples GUI-Odyssey steps at random; a hash keeps a
+    rerun's choice, and so its cache), step 0 last, then the first of every episode before the second of any. Step 0
+    gives a coordinator group but no state-tracker group (it has no earlier step): drawn first, as on 2026-12-01's
+    default night (a budget of one step), it left `ces_state_tracker_rl` without a row."""
     ranked = []
     for unit in units:
-        valid = sorted((i for i, s in enumerate(unit.steps) if s.action_valid),
+        valid = sorted((i for i in range(len(unit.steps)) if unit.imitable(i)),
                        key=lambda i, steps=unit.steps: (i == 0, digest(steps[i].step_id)))
         ranked += [(rank, unit.episode_id, unit, i) for rank, i in enumerate(valid)]
     ranked.sort(key=lambda r: (r[0], r[1]))
@@ -353,9 +356,14 @@ def state_tracker_group(c: _CES, unit: TrustedEpisode, index: int, states: list[
 
 
 def _sft(c: _CES, unit: TrustedEpisode, states: list[Silver], tag: str, out: StageOutput) -> None:
-    """Both roles' warm-up samples (CES B.1) for every step of the episode."""
+    """Both roles' warm-up samples (CES B.1) for every imitable step of the episode: an invalid action has no
+    instruction to teach, and a HARMFUL one is no example; both stay in the states of the steps after them."""
     space = actions.space_for(unit.viewport)
     for index, step in enumerate(unit.steps):
+        if not unit.imitable(index):
+            why = "an invalid action" if not step.action_valid else "labelled HARMFUL by the step critic"
+            out.dropped[f"SFT: step not imitated ({why})"] += 1
+            continue
         before, after = _before(states, index), states[index]
         instruction, reason = atomic_instruction(step)
         messages_json, images = chat_messages(

@@ -2,7 +2,9 @@
 
 One `train_e2e` row per step of a trajectory the critics accepted that passes the online
 rejection-sampling filters (`synth.filters`: the step critic's score at least tau_c, a
-thought consistent with the action), weighted by its query's success rate. The messages
+thought consistent with the action), weighted by its query's success rate. A step the
+pre-filter flagged `no_change` (a click on nothing: NEUTRAL, so it passes tau_c 0.5) is no
+target, but stays in the history of the steps after it, as every dropped step does. The messages
 are those the policy is asked with (the gui_owl_e2e template: the action space as a
 function in the system message, the task, the history and the newest screenshot in the
 user message) and the assistant's answer is the step's thought and the action as a
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from trajforge.critics.prefilter import NO_CHANGE
 from trajforge.data.blobs import BlobStore
 from trajforge.envs import actions
 from trajforge.guidance.history import load_judged
@@ -51,6 +54,7 @@ from trajforge.schemas.records import (
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput
 from trajforge.synth.chat import chat_messages, policy_messages
 from trajforge.synth.filters import POSITIVE, Reflection, balance_reflections, consistent, critic_score, weights
+from trajforge.synth.semantics import NO_EFFECT
 
 ROLE_TABLES: dict[str, type[RoleChat]] = {"manager": ManagerChat, "worker": WorkerChat, "reflector": ReflectorChat,
                                           "notetaker": NotetakerChat}
@@ -60,10 +64,11 @@ TABLES = ("train_e2e", *(t.table for t in ROLE_TABLES.values()))
 
 @dataclass(frozen=True)
 class StepLabel:
-    """The step critic's label and summary of one step."""
+    """The step critic's label and summary of one step, and the pre-filter's flags (`critics.prefilter`)."""
 
     label: str | None
     summary: str | None
+    flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,9 @@ def export(units: list[ExportUnit], *, run_id: str, tag: str, blobs: BlobStore, 
                 out.dropped[f"filter 1: critic score {score} below tau_c {settings.tau_c} ({label})"] += 1
             elif not step.action_valid:
                 out.dropped["invalid action: nothing to learn"] += 1
+            elif NO_CHANGE in (critique.flags if critique else ()) and step.action_type not in NO_EFFECT:
+                # NEUTRAL passes tau_c 0.5, but a click that changed nothing teaches a click on nothing
+                out.dropped["no change: the action changed neither screen, tree nor URL (pre-filter)"] += 1
             elif verdict is not None and not verdict.ok:
                 out.dropped[f"filter 2: the thought names another {verdict.rule}"] += 1
             else:
@@ -179,8 +187,9 @@ def load_export_units(ws: Workspace, snapshot: int | None) -> Inputs[ExportUnit]
     judged, snapshots, verdicts = load_judged(ws, snapshot)
     critiques_snapshot = ws.catalog.written_with("step_critiques", verdicts)
     critiques, _ = ws.catalog.rows_added("step_critiques", critiques_snapshot)
-    labels = {r["step_id"]: StepLabel(r["label"], r["summary"])
-              for r in critiques.select("step_id", "label", "summary").to_dicts()}
+    columns = [c for c in ("step_id", "label", "summary", "flags") if c in critiques.columns]  # flags: added later
+    labels = {r["step_id"]: StepLabel(r["label"], r["summary"], tuple(r.get("flags") or ()))
+              for r in critiques.select(columns).to_dicts()}
     history, history_snapshot = ws.catalog.latest("query_history")
     p_succ = dict(history.group_by("query_id").agg(pl.col("success").mean()).iter_rows()) if history.height else {}
     cfg = ws.settings.synth

@@ -19,7 +19,10 @@ of four kinds, each a point to click for an instruction:
 
 Elements are dropped, each with its reason, when they have no box, no area, lie (partly)
 outside the screenshot, have no name to ask for, are containers rather than things a user
-points at, or were painted over when recorded (`[covered]` in the tree). Then IoU cleaning
+points at, or were painted over when recorded (`[covered]` in the tree). A request two things on
+the screen answer is not asked: elements shown with the same role and name (two "Add to cart"
+buttons), words whose text repeats on the screen, and characters of a line whose text does are
+dropped, all of them, rather than one guessed. Then IoU cleaning
 (tau_g = `synth.iou_threshold`): each element's box is compared with an independent
 detection, the OCR's words inside it for text, the better of that and the region proposals
 for widgets, and dropped below tau_g; the first examples' boxes are kept in the lineage. A text
@@ -167,6 +170,21 @@ def _element_problem(node: AXNode, width: int, height: int) -> str | None:
     return None
 
 
+def _visible(node: AXNode, width: int, height: int) -> bool:
+    """Whether the screenshot shows the element (a box with area on the screen, not painted over): one a request
+    could mean, even when it makes no row itself (disabled, or failing the IoU test)."""
+    if node.box is None or "covered" in node.states:
+        return False
+    x, y, w, h = node.box
+    return w > 0 and h > 0 and x + w > 0 and y + h > 0 and x < width and y < height
+
+
+def _request_key(node: AXNode) -> str:
+    """What the element's template request says, whatever the element's state (a checkbox's "Turn 'X' on" and
+    "Turn 'X' off" mean one checkbox): two elements shown with one key are one request with two answers."""
+    return describe(AXNode(0, node.role, node.name))[1].casefold()
+
+
 def _ocr_words(box: tuple[float, ...], lines: tuple[OcrLine, ...]) -> list[OcrSpan | OcrLine]:
     """The OCR words whose centres lie in `box`, in reading order (a line without word boxes counts whole)."""
     x, y, w, h = box
@@ -221,9 +239,17 @@ def ground_screen(screen: Screen, png: bytes, lines: tuple[OcrLine, ...], region
     except ValueError as exc:
         out.dropped[f"screen: accessibility tree does not parse ({exc})"[:200]] += 1
         nodes = []
+    # A request two things on the screen answer is a guess: such elements, words and lines make no row.
+    requests = Counter(_request_key(n) for n in nodes if n.name.strip() and _visible(n, screen.width, screen.height))
+    word_count = Counter(w.text.casefold() for line in lines for w in line.words)
+    line_count = Counter(_short(line.text).casefold() for line in lines)
     for i, node in enumerate(nodes):
         if (problem := _element_problem(node, screen.width, screen.height)) is not None:
             out.dropped[problem] += 1
+            continue
+        if requests[_request_key(node)] > 1:
+            out.dropped["element: not unique on the screen (another element shown is asked for by the same role "
+                        "and name)"] += 1
             continue
         words = _ocr_words(node.box, lines)  # type: ignore[arg-type]
         detector, overlap, detected = _detect(node, words, regions)
@@ -245,7 +271,13 @@ def ground_screen(screen: Screen, png: bytes, lines: tuple[OcrLine, ...], region
             iou=round(overlap, 3)))
     for li, line in enumerate(lines):
         for kind, spans in (("word", line.words), ("char", line.chars)):
+            if kind == "char" and line_count[_short(line.text).casefold()] > 1:
+                out.dropped["char: its line's text is not unique on the screen"] += len(spans)
+                continue
             for si, span in enumerate(spans):
+                if kind == "word" and word_count[span.text.casefold()] > 1:
+                    out.dropped["word: its text is not unique on the screen"] += 1
+                    continue
                 x, y, w, h = span.box
                 if w <= 0 or h <= 0 or x < 0 or y < 0 or x + w > screen.width or y + h > screen.height:
                     out.dropped[f"{kind}: box outside the screen or without area"] += 1

@@ -16,8 +16,9 @@ the policy's rollouts):
    and the raw answers in `votes_json`. `synth.described_per_shard` steps per shard get
    this tier: up to 2k model calls a step.
 
-A step that ends the episode or only answers has no screen effect and makes no row; an
-invalid action makes none either; each is counted with its reason, as is a step whose
+A step that ends the episode or only answers has no screen effect and makes no row; nor does
+a step whose screen did not change (the same screenshot blob before and after: any action that
+does nothing would fit its label), or an invalid action; each is counted with its reason, as is a step whose
 screenshot blob is missing or corrupt.
 """
 
@@ -190,6 +191,9 @@ def semantics(units: list[EpisodeSteps], ws: Workspace, run_id: str, _: str) -> 
             if step.action_type in NO_EFFECT:
                 out.dropped[f"{step.action_type}: no effect on the screen"] += 1
                 continue
+            if step.screenshot_before == step.screenshot_after:  # any action that does nothing fits the label
+                out.dropped["the screen did not change (one screenshot before and after)"] += 1
+                continue
             try:
                 before, after = ws.blobs.get(step.screenshot_before), ws.blobs.get(step.screenshot_after)
             except (BlobMissing, BlobCorrupted) as exc:
@@ -213,9 +217,8 @@ def semantics(units: list[EpisodeSteps], ws: Workspace, run_id: str, _: str) -> 
                     _tool_call(step, unit.viewport))],
             images=[before, after], tag=tag))
     budget = ws.settings.synth.described_per_shard if ws.settings.synth.writer == "model" else 0
-    worth_describing = sorted(usable, key=lambda u: (not u[1].target_name,
-                                                     u[1].screenshot_before == u[1].screenshot_after))
-    for unit, step, before, after in worth_describing[:budget]:  # a target named and the screen changed first
+    worth_describing = sorted(usable, key=lambda u: not u[1].target_name)
+    for unit, step, before, after in worth_describing[:budget]:  # a target named first
         description, votes, annotated = describer.describe(step, before)
         out.prompts[DESCRIBE], out.prompts[CHECK] = describer.describe_prompt.version, describer.check_prompt.version
         if description is None:

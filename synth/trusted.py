@@ -42,20 +42,28 @@ class TrustedEpisode:
     steps: list[Step]
     checker: str = ""
     """The query's checker and a hash of its parameters (`name@hash`): the version of the test that passed."""
+    harmful: frozenset[str] = frozenset()
+    """The steps whose latest step critique is HARMFUL: an accepted episode can still take a wrong turn and come
+    back; such a step stays in the episode (the history of the steps after it) but is no target to imitate."""
+
+    def imitable(self, index: int) -> bool:
+        """Whether step `index` is a target a synthesis stage may teach: a valid action not labelled HARMFUL."""
+        step = self.steps[index]
+        return step.action_valid and step.step_id not in self.harmful
 
 
 def spread(units: list[TrustedEpisode], budget: int, min_step: int = 0) -> list[tuple[TrustedEpisode, int]]:
-    """Up to `budget` steps worth a synthesis stage's model calls (reasoning's, PAL-UI's): valid actions with at
-    least `min_step` earlier steps, on a named target first, the earliest eligible step of every episode before
-    the next of any (so a shard spreads over its episodes, and a memory of earlier steps is the shortest), and of
-    one episode of every query before a second of any. A query's episodes (its reference replay on each viewport,
-    an accepted attempt) ask nearly the same question: on 2026-12-03's default night PAL-UI's eight passes were
-    five queries, each query's second viewport answered as its first, and none matched (no pal_ui_sft row); on
-    the same steps, spread, they were eight queries and one matched."""
+    """Up to `budget` steps worth a synthesis stage's model calls (reasoning's, PAL-UI's): imitable steps
+    (`TrustedEpisode.imitable`) with at least `min_step` earlier steps, on a named target first, the earliest
+    eligible step of every episode before the next of any (so a shard spreads over its episodes, and a memory of
+    earlier steps is the shortest), and of one episode of every query before a second of any. A query's episodes
+    (its reference replay on each viewport, an accepted attempt) ask nearly the same question: on 2026-12-03's
+    default night PAL-UI's eight passes were five queries, each query's second viewport answered as its first, and
+    none matched (no pal_ui_sft row); on the same steps, spread, they were eight queries and one matched."""
     episodes: dict[str, list[str]] = defaultdict(list)
     for unit in sorted(units, key=lambda u: u.episode_id):
         episodes[unit.query_id].append(unit.episode_id)
-    candidates = [(u, i) for u in units for i, s in enumerate(u.steps) if s.action_valid and i >= min_step]
+    candidates = [(u, i) for u in units for i in range(min_step, len(u.steps)) if u.imitable(i)]
     candidates.sort(key=lambda c: (not c[0].steps[c[1]].target_name, c[0].steps[c[1]].action_type == "terminate",
                                    c[1], episodes[c[0].query_id].index(c[0].episode_id), c[0].episode_id))
     return candidates[:budget]
@@ -128,9 +136,24 @@ def checker_versions(ws: Workspace, query_ids: list[str]) -> dict[str, str]:
     return {q: f"{c}@{digest(p, 8)}" for q, c, p in queries.iter_rows()}
 
 
+def harmful_steps(ws: Workspace, snapshot: int, step_ids: list[str]) -> set[str]:
+    """The steps of `step_ids` whose latest critique in that version of `step_critiques` is HARMFUL. Latest: of
+    the run that committed last (the table's history); a scan does not read the rows in commit order (it reads the
+    newest commit's first), so the last row read is not the latest."""
+    committed = {info.lineage.run_id: n for n, info in enumerate(ws.catalog.history("step_critiques"))
+                 if info.lineage is not None}
+    critiques = (ws.catalog.load("step_critiques", snapshot, columns=["run_id", "step_id", "label"])
+                 .filter(pl.col("step_id").is_in(step_ids))
+                 .with_columns(pl.col("run_id").replace_strict(committed, default=-1, return_dtype=pl.Int64)
+                               .alias("committed")))
+    latest = critiques.sort("committed", maintain_order=True).group_by("step_id").agg(pl.col("label").last())
+    return set(latest.filter(pl.col("label") == "HARMFUL")["step_id"])
+
+
 def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
     """The episodes of the steps a run wrote whose actions are trusted: reference replays their checker
-    passed, and episodes the critics' latest verdict accepted; the others are counted by reason."""
+    passed, and episodes the critics' latest verdict accepted; the others are counted by reason. Each with the
+    steps the step critic's latest label (`step_critiques@latest`) calls HARMFUL, counted: not imitated."""
     steps, snapshot = ws.catalog.rows_added("steps", snapshot)
     ids = steps["episode_id"].unique().to_list()
     episodes = (ws.catalog.scan("episodes").filter(pl.col("episode_id").is_in(ids))
@@ -144,6 +167,12 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
             verdicts = ws.catalog.load("verdicts", verdicts_snapshot).filter(pl.col("episode_id").is_in(ids))
             accepted = dict(verdicts.group_by("episode_id", maintain_order=True).agg(pl.col("success").last())
                             .iter_rows())
+    harmful: set[str] = set()
+    if "step_critiques" in ws.catalog.tables():
+        _, critiques_snapshot = ws.catalog.resolve("step_critiques@latest")
+        if critiques_snapshot is not None:
+            snapshots["step_critiques"] = critiques_snapshot
+            harmful = harmful_steps(ws, critiques_snapshot, steps["step_id"].to_list())
     by_episode = steps_by_episode(steps.to_dicts())
     checkers = checker_versions(ws, episodes["query_id"].unique().to_list())
     inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
@@ -158,6 +187,10 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
         if trusted is None:
             inputs.stats[f"not trusted: {why}"] += 1
             continue
+        episode_steps = by_episode.get(e["episode_id"], [])
+        bad = frozenset(s.step_id for s in episode_steps if s.step_id in harmful)
+        if bad:
+            inputs.stats["trusted steps labelled HARMFUL by the step critic: history only, not imitated"] += len(bad)
         inputs.units.append(TrustedEpisode(e["episode_id"], e["query_id"], e["instruction"], e["viewport"], trusted,
-                                           by_episode.get(e["episode_id"], []), checkers.get(e["query_id"], "")))
+                                           episode_steps, checkers.get(e["query_id"], ""), bad))
     return inputs

@@ -9,26 +9,31 @@ scripted Executor carries out the instructions it knows.
 
 from __future__ import annotations
 
+import io
 import json
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 from scripted import ScriptedServer, completion, message_text, notes_workspace
 from starlette.requests import Request
 from starlette.responses import Response
 
+from trajforge.data.catalog import Lineage
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.structured import ThinkAnswer
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
-from trajforge.schemas.config import CESSettings
-from trajforge.schemas.records import Step
+from trajforge.schemas.config import CESSettings, Settings
+from trajforge.schemas.records import Episode, Step, StepCritique
+from trajforge.schemas.stage import StageOutput
 from trajforge.synth import ces
 from trajforge.synth.match import match
-from trajforge.synth.trusted import TrustedEpisode, group_advantages, trusted_action
+from trajforge.synth.trusted import TrustedEpisode, group_advantages, spread, trusted_action
 from trajforge.tasks.runner import run_inline
 
 pytestmark = pytest.mark.browser
@@ -150,6 +155,49 @@ def test_the_steps_scored_are_later_steps_before_any_step_0():
     assert sorted(unit.episode_id for unit, _ in chosen) == sorted(u.episode_id for u in units)
     assert {index for unit, index in chosen if unit.episode_id != "short"} <= {1, 2}
     assert [index for unit, index in chosen if unit.episode_id == "short"] == [0]
+
+
+def _made(key: str, run: str = "made") -> Lineage:
+    return Lineage(stage="test", run_id=run, commit_key=key, config_hash="x", code_version="x")
+
+
+def test_a_step_the_step_critic_labelled_harmful_is_history_not_a_target(tmp_path):
+    """An accepted episode's step whose latest step critique is HARMFUL (judged again: the latest label wins) and its
+    invalid step stay in the episode, for the states after them, but no stage is taught either: no scored step, no
+    SFT row, each counted; the fallback state lists what was carried out."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={"writer": "model"}))
+    buffer = io.BytesIO()
+    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
+    png = ws.blobs.put(buffer.getvalue()).sha256
+    now = datetime(2026, 12, 5, tzinfo=UTC)
+    ws.catalog.commit_rows("episodes", [Episode(
+        run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="reference",
+        model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=4, final_url="u",
+        final_state_json="{}", started_at=now, finished_at=now, source="reference", success=True)], _made("episodes"))
+    steps = [_step("click", {"x": 5, "y": 9}, "link", "Cart").model_copy(update={
+        "run_id": "made", "step_id": f"e:{i}", "episode_id": "e", "step_index": i, "screenshot_before": png,
+        "screenshot_after": png}) for i in range(4)]
+    steps[3] = steps[3].model_copy(update={"action_type": "fly", "action_json": "{}", "action_valid": False})
+    snapshot = ws.catalog.commit_rows("steps", steps, _made("steps"))
+    for n, labels in enumerate(({"e:1": "GOOD", "e:2": "HARMFUL"}, {"e:1": "HARMFUL", "e:2": "GOOD"})):
+        ws.catalog.commit_rows("step_critiques", [StepCritique(
+            run_id=f"critics{n}", critique_id=f"{step}:{n}", step_id=step, episode_id="e", critic="c", model_id="m",
+            prompt_version="1", analysis="", summary="", label=label, raw_output="")  # type: ignore[arg-type]
+            for step, label in labels.items()], _made(f"critiques{n}", f"critics{n}"))
+    inputs = ces.load_trusted(ws, snapshot)
+    [unit] = inputs.units
+    assert unit.harmful == {"e:1"} and len(unit.steps) == 4
+    assert inputs.snapshots["step_critiques"] == ws.catalog.resolve("step_critiques@latest")[1]
+    assert inputs.stats["trusted steps labelled HARMFUL by the step critic: history only, not imitated"] == 1
+    assert [i for _, i in spread([unit], 10)] == [0, 2] and sorted(i for _, i in ces._choose([unit], 10)) == [0, 2]
+    out = StageOutput(rows={t: [] for t in ces.TABLES})
+    states = [ces.Silver(f"{i + 1} steps done", "one more", "", True) for i in range(4)]
+    ces._sft(ces._CES(ws, out, "r"), unit, states, "t", out)
+    assert [r.step_id for r in out.rows["ces_coordinator_sft"]] == ["e:0", "e:2"]
+    assert [r.step_id for r in out.rows["ces_state_tracker_sft"]] == ["e:0", "e:2"]
+    assert out.dropped == {"SFT: step not imitated (labelled HARMFUL by the step critic)": 1,
+                           "SFT: step not imitated (an invalid action)": 1}
+    assert ces._fallback_state(steps, 3) == "Done so far: " + "; ".join(["Click the link 'Cart'"] * 3) + "."
 
 
 # ---------------------------------------------------------------- the rules, by hand

@@ -31,9 +31,13 @@ def test_one_row_per_good_or_neutral_step_of_an_accepted_trajectory(night):
     ws, tag, data = night
     accepted = set(ws.catalog.load("verdicts").filter(pl.col("success"))["episode_id"])
     assert accepted, "replayed reference paths are accepted by the checker"
-    labels = dict(ws.catalog.load("step_critiques").select("step_id", "label").iter_rows())
+    critiques = ws.catalog.load("step_critiques")
+    labels = dict(critiques.select("step_id", "label").iter_rows())
+    no_change = {s for s, flags in critiques.select("step_id", "flags").iter_rows() if "no_change" in (flags or [])}
     steps = ws.catalog.load("steps").filter(pl.col("episode_id").is_in(list(accepted)) & pl.col("action_valid"))
-    expected = {s for s in steps["step_id"] if labels[s] in ("GOOD", "NEUTRAL")}
+    # a step that changed nothing is history only, unless it ends the episode or answers (they change nothing)
+    expected = {s for s, kind in steps.select("step_id", "action_type").iter_rows() if labels[s] in ("GOOD", "NEUTRAL")
+                and (s not in no_change or kind in ("terminate", "answer"))}
     assert expected and set(data["step_id"].to_pylist()) == expected and data.num_rows == len(expected)
     assert set(data["tag"].to_pylist()) == {tag} and set(data["label"].to_pylist()) <= {"GOOD", "NEUTRAL"}
     # Filter 1 at tau_c 0.5: the critic's score of each kept step; filter 3: a weight from its query's p_succ.

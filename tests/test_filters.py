@@ -69,6 +69,20 @@ def test_filter_1_keeps_a_step_whose_critic_score_reaches_tau_c(blobs):
     assert strict.dropped["filter 1: critic score 0.5 below tau_c 0.75 (NEUTRAL)"] == 1
 
 
+def test_a_click_that_changed_nothing_is_history_not_a_target(blobs):
+    """The pre-filter settles a click that changed nothing as NEUTRAL, which passes tau_c 0.5: it is dropped as a
+    target but stays in the later steps' history; the terminate, which changes nothing by nature, is kept."""
+    steps = [_step(blobs, 0, "Tap the Cart link."), _step(blobs, 1, "Tap the Cart link."),
+             _step(blobs, 2, "Done.", action="terminate", target=None)]
+    labels = {"e:0": StepLabel("GOOD", "opened the cart"),
+              "e:1": StepLabel("NEUTRAL", "click: no change", ("no_change",)),
+              "e:2": StepLabel("NEUTRAL", "terminated the episode", ("no_change",))}
+    out = _export([ExportUnit(_episode(), steps, True, labels)], blobs)
+    assert [r.step_id for r in out.rows["train_e2e"]] == ["e:0", "e:2"]
+    assert out.dropped == {"no change: the action changed neither screen, tree nor URL (pre-filter)": 1}
+    assert "click: no change" in out.rows["train_e2e"][1].messages_json
+
+
 def test_filter_2_drops_a_thought_that_names_another_element_or_action(blobs):
     assert consistent("Tap the Cart link at the top.", "click", "Cart", TREE).ok
     assert consistent("", "click", "Cart", TREE).reason == "no thought to check"

@@ -23,11 +23,15 @@ from starlette.responses import Response
 
 from trajforge.critics.annotate import POINT_COLOR, annotate
 from trajforge.data.catalog import Lineage, commit_key
+from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.kinds import kind_for
 from trajforge.guidance.reference import STAGE as REFERENCE
+from trajforge.llm.ocr import OcrLine, OcrSpan
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
+from trajforge.schemas.config import Settings
+from trajforge.schemas.records import Step
 from trajforge.schemas.stage import config_hash
 from trajforge.synth import grounding, planning, reasoning, semantics
 from trajforge.tasks.runner import run_inline
@@ -215,7 +219,7 @@ def test_covered_shifted_and_outside_elements_are_dropped_with_reasons(grounded)
     role = element.role
     tree = "\n".join([
         f'{role} "{element.name}" [covered] ({x},{y},{w},{h})',
-        f'{role} "{element.name}" ({x + w},{y + h},{w},{h})',  # shifted off its text: the OCR disagrees
+        f'{role} "{element.name} moved" ({x + w},{y + h},{w},{h})',  # shifted off its text: the OCR disagrees
         f'button "Far away" ({screen.width + 10},{y},{w},{h})',
         f'{role} "{element.name}" ({x},{y},{w},{h})',
     ])
@@ -226,6 +230,35 @@ def test_covered_shifted_and_outside_elements_are_dropped_with_reasons(grounded)
     assert out.dropped["element: IoU with its detection below tau_g=0.5"] == 1
     assert out.dropped["element: off screen"] == 1
     assert "iou 0.00" in out.iou_drops[0] and str([x + w, y + h, w, h]) in out.iou_drops[0]
+
+
+def test_a_request_two_things_on_the_screen_answer_is_not_asked():
+    """Two 'Add to cart' buttons, and the words and lines they show twice, make no row: a sample would ask the
+    same thing twice with two answers. A covered copy is not shown, so 'Checkout' is still one thing."""
+    def line(text: str, y: int) -> OcrLine:
+        words, chars, x = [], [], 10
+        for word in text.split():
+            words.append(OcrSpan(word, (x, y, 10 * len(word), 30)))
+            chars += [OcrSpan(c, (x + 10 * i, y, 10, 30)) for i, c in enumerate(word)]
+            x += 10 * len(word) + 10
+        return OcrLine(text, 1.0, (10, y, x - 20, 30), tuple(words), tuple(chars))
+
+    lines = (line("Add to cart", 100), line("Add to cart", 200), line("Checkout", 300))
+    tree = render([AXNode(0, "button", "Add to cart", box=(10, 100, 110, 30)),
+                   AXNode(0, "button", "Add to cart", box=(10, 200, 110, 30)),
+                   AXNode(0, "button", "Checkout", box=(10, 300, 80, 30)),
+                   AXNode(0, "button", "Checkout", ("covered",), box=(10, 400, 80, 30))])
+    screen = grounding.Screen("s" * 64, 390, 844, "shop", "/", "Shop", "e:0", "mobile", tree)
+    out = grounding.ground_screen(screen, b"", lines, [], run_id="t", iou_threshold=0.5)
+    asked = [(r.kind, r.instruction) for r in out.rows]
+    assert asked[:2] == [("element", "Click the 'Checkout' button"), ("word", "Click the word 'Checkout'")]
+    assert [r.text for r in out.rows if r.kind == "char"] == list("Checkout")
+    assert len(set(asked)) == len(asked)
+    assert out.dropped["element: not unique on the screen (another element shown is asked for by the same role "
+                       "and name)"] == 2
+    assert out.dropped["word: its text is not unique on the screen"] == 6
+    assert out.dropped["char: its line's text is not unique on the screen"] == 18
+    assert out.dropped["element: covered by another element when recorded"] == 1
 
 
 def test_a_heading_wider_than_its_text_is_kept_as_its_text_when_the_ocr_reads_its_name(grounded):
@@ -281,7 +314,8 @@ def test_action_semantics_one_row_per_valid_step_and_the_best_of_k_votes(recorde
     ws = workspace(root, model.url)
     out = run_inline(semantics.STAGE, ws, run, snapshots["steps"])
     steps = ws.catalog.load("steps", snapshots["steps"])
-    effective = steps.filter(pl.col("action_valid") & ~pl.col("action_type").is_in(["terminate", "answer"]))
+    effective = steps.filter(pl.col("action_valid") & ~pl.col("action_type").is_in(["terminate", "answer"])
+                             & (pl.col("screenshot_before") != pl.col("screenshot_after")))
     rows = ws.catalog.load("action_semantics", out["action_semantics"])
     assert rows.filter(pl.col("tier") == "action").height == effective.height
     described = rows.filter(pl.col("tier") == "description").to_dicts()
@@ -291,6 +325,25 @@ def test_action_semantics_one_row_per_valid_step_and_the_best_of_k_votes(recorde
     assert described[0]["description"].startswith("Clicks '") and "More text" not in described[0]["description"]
     training = ws.catalog.load("train_semantics", out["train_semantics"])
     assert training.height == rows.height and all(len(i) == 2 for i in training["images"])
+
+
+def test_an_action_that_changed_nothing_makes_no_inverse_dynamics_row(tmp_path):
+    """The same screenshot before and after: any action that does nothing would answer "which action turned the
+    first into the second?", so the step makes no row, counted; the step that changed the screen makes one."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={"writer": "template"}))
+    shots = []
+    for shade in (0, 90):
+        buffer = io.BytesIO()
+        Image.new("RGB", (390, 844), (shade, shade, shade)).save(buffer, format="PNG")
+        shots.append(ws.blobs.put(buffer.getvalue()).sha256)
+    steps = [Step(run_id="r", step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=before,
+                  screenshot_after=shots[1], width=390, height=844, url_before="u", url_after="u", title_before="t",
+                  title_after="t", ax_tree_before="", action_type="click", action_json='{"x": 50, "y": 25}',
+                  action_valid=True, thought="", raw_output="", duration_ms=1) for i, before in enumerate(shots)]
+    out = semantics.semantics([semantics.EpisodeSteps("e", "mobile", "task", steps)], ws,
+                              ws.ledger.open_run("test", "semantics").run_id, "")
+    assert [r.step_id for r in out.rows["action_semantics"]] == ["e:0"] and len(out.rows["train_semantics"]) == 1
+    assert out.dropped == {"the screen did not change (one screenshot before and after)": 1}
 
 
 def test_an_unparsable_check_leaves_the_rules_to_score(recorded, model):
