@@ -721,6 +721,23 @@ class Catalog:
                     f"or point the table's tag at an earlier version (`trajforge datasets history {name}`)")
         return exc
 
+    def newest(self, table: str, key: str, version: int | str | None = None, *,
+               where: pl.Expr | None = None) -> pl.DataFrame:
+        """The rows of one version (None: the latest) that match `where` (read as such, not filtered from the
+        whole), one per `key`: the row of the run that committed last (by the table's history, through each row's
+        run_id; rows of one run in the order read). A table that accumulates (verdicts, step critiques) holds a
+        key once per run that judged it, and a scan reads the newest commit's rows first: "the last row read" was
+        the oldest."""
+        name, snapshot_id = self.resolve(self._ref(table, version))
+        order = {info.lineage.run_id: n for n, info in enumerate(self.history(name)) if info.lineage is not None}
+        scan = self._scan(name, snapshot_id)
+        try:
+            frame = (scan if where is None else scan.filter(where)).collect()
+        except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
+            raise self._corruption(name, snapshot_id, exc) from exc
+        committed = pl.col("run_id").replace_strict(order, default=-1, return_dtype=pl.Int64)
+        return frame.sort(committed, maintain_order=True).unique(key, keep="last", maintain_order=True)
+
     def history(self, table: str) -> list[SnapshotInfo]:
         """Every snapshot of the table, oldest first, with tags and lineage."""
         tbl = self._existing(table, table)

@@ -238,7 +238,10 @@ def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
     cfg = ws.settings.agentic_q
     added, snapshot = ws.catalog.rows_added("steps", snapshot)
     inputs = Inputs[QueryAttempts](units=[], snapshots={"steps": snapshot})
-    episodes = ws.catalog.scan("episodes").unique("episode_id", keep="last")
+    _, episodes_snapshot = ws.catalog.resolve("episodes@latest")
+    if episodes_snapshot is not None:
+        inputs.snapshots["episodes"] = episodes_snapshot
+    episodes = ws.catalog.newest("episodes", "episode_id", episodes_snapshot).lazy()
     query_ids = (episodes.filter(pl.col("episode_id").is_in(added["episode_id"].unique().to_list()))
                  .select("query_id").unique().collect()["query_id"].to_list())
     if not query_ids:
@@ -249,8 +252,8 @@ def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
         _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
         if verdicts_snapshot is not None:
             inputs.snapshots["verdicts"] = verdicts_snapshot
-            verdicts = dict(ws.catalog.load("verdicts", verdicts_snapshot)
-                            .group_by("episode_id", maintain_order=True).agg(pl.col("success").last()).iter_rows())
+            verdicts = dict(ws.catalog.newest("verdicts", "episode_id", verdicts_snapshot)
+                            .select("episode_id", "success").iter_rows())
     judged: dict[str, list[dict[str, Any]]] = {}
     for e in episodes.sort("started_at").to_dicts():
         if e["status"] == "env_fault":
@@ -260,8 +263,8 @@ def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
         else:
             judged.setdefault(e["query_id"], []).append(e)
     ids = [e["episode_id"] for rows in judged.values() for e in rows[-cfg.attempts:]]
-    steps = steps_by_episode(ws.catalog.scan("steps").filter(pl.col("episode_id").is_in(ids))
-                             .unique("step_id", keep="last").collect().to_dicts())
+    steps = steps_by_episode(ws.catalog.newest("steps", "step_id", snapshot, where=pl.col("episode_id").is_in(ids))
+                             .to_dicts())
     checkers = checker_versions(ws, list(judged))
     for query_id, rows in sorted(judged.items()):
         if len(rows) < cfg.attempts:

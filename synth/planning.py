@@ -421,29 +421,33 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
 # ---------------------------------------------------------------- loading
 
 
-def _accepted(ws: Workspace) -> set[str]:
-    """Episodes the critics accepted, in every run so far."""
-    if "verdicts" not in ws.catalog.tables():
+def _accepted(ws: Workspace, verdicts: int | None) -> set[str]:
+    """Episodes the critics' latest verdict in that version accepts (`Catalog.newest`): one they judged again and
+    rejected is no success to plan from, as it leaves the exports (`synth.export`)."""
+    if verdicts is None:
         return set()
-    return set(ws.catalog.scan("verdicts").filter(pl.col("success")).select("episode_id").collect()["episode_id"])
+    return set(ws.catalog.newest("verdicts", "episode_id", verdicts).filter(pl.col("success"))["episode_id"])
 
 
 def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
     """Every app with successful trajectories so far, its queries (queries@latest) and their history."""
     snapshot = ws.catalog.version("episodes", snapshot)
     episodes = ws.catalog.load("episodes", snapshot)
-    ok = pl.col("episode_id").is_in(list(_accepted(ws)))
+    # The other tables at the versions read now, named in the lineage: a rerun reads the same ones.
+    read = {table: version for table in ("verdicts", "steps", "query_history")
+            if (version := ws.catalog.resolve(f"{table}@latest")[1]) is not None}
+    ok = pl.col("episode_id").is_in(list(_accepted(ws, read.get("verdicts"))))
     if "source" in episodes.columns:
         ok = ok | ((pl.col("source") == "reference") & pl.col("success").fill_null(False))
     good = episodes.filter(ok).sort("episode_id")
     queries_frame, queries_snapshot = ws.catalog.latest("queries")
     queries = {q["query_id"]: Query.model_validate(q) for q in queries_frame.to_dicts()}
-    steps = (ws.catalog.scan("steps").filter(pl.col("episode_id").is_in(good["episode_id"].to_list()))
-             .collect())
+    steps = (ws.catalog.scan("steps", read.get("steps")).filter(pl.col("episode_id").is_in(good["episode_id"]
+                                                                                            .to_list())).collect())
     by_episode = steps_by_episode(steps.to_dicts())
     history: dict[str, tuple[int, int]] = {}
-    if "query_history" in ws.catalog.tables():
-        counts = ws.catalog.load("query_history").group_by("query_id").agg(
+    if "query_history" in read:
+        counts = ws.catalog.load("query_history", read["query_history"]).group_by("query_id").agg(
             pl.len().alias("n"), pl.col("success").sum().alias("ok"))
         history = {r["query_id"]: (r["n"], r["ok"]) for r in counts.to_dicts()}
     written = frozenset(
@@ -468,7 +472,7 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
         units.append(AppPlanning(app, families, by_family,
                                  {q.query_id: history[q.query_id] for q in mine if q.query_id in history},
                                  written, config))
-    snapshots = {"episodes": snapshot} | ({"queries": queries_snapshot} if queries_snapshot is not None else {})
+    snapshots = {"episodes": snapshot} | ({"queries": queries_snapshot} if queries_snapshot is not None else {}) | read
     return Inputs(units=units, snapshots=snapshots, stats=stats)
 
 

@@ -137,16 +137,9 @@ def checker_versions(ws: Workspace, query_ids: list[str]) -> dict[str, str]:
 
 
 def harmful_steps(ws: Workspace, snapshot: int, step_ids: list[str]) -> set[str]:
-    """The steps of `step_ids` whose latest critique in that version of `step_critiques` is HARMFUL. Latest: of
-    the run that committed last (the table's history); a scan does not read the rows in commit order (it reads the
-    newest commit's first), so the last row read is not the latest."""
-    committed = {info.lineage.run_id: n for n, info in enumerate(ws.catalog.history("step_critiques"))
-                 if info.lineage is not None}
-    critiques = (ws.catalog.load("step_critiques", snapshot, columns=["run_id", "step_id", "label"])
-                 .filter(pl.col("step_id").is_in(step_ids))
-                 .with_columns(pl.col("run_id").replace_strict(committed, default=-1, return_dtype=pl.Int64)
-                               .alias("committed")))
-    latest = critiques.sort("committed", maintain_order=True).group_by("step_id").agg(pl.col("label").last())
+    """The steps of `step_ids` whose latest critique in that version of `step_critiques` (`Catalog.newest`) is
+    HARMFUL."""
+    latest = ws.catalog.newest("step_critiques", "step_id", snapshot, where=pl.col("step_id").is_in(step_ids))
     return set(latest.filter(pl.col("label") == "HARMFUL")["step_id"])
 
 
@@ -164,9 +157,9 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
         _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
         if verdicts_snapshot is not None:
             snapshots["verdicts"] = verdicts_snapshot
-            verdicts = ws.catalog.load("verdicts", verdicts_snapshot).filter(pl.col("episode_id").is_in(ids))
-            accepted = dict(verdicts.group_by("episode_id", maintain_order=True).agg(pl.col("success").last())
-                            .iter_rows())
+            verdicts = ws.catalog.newest("verdicts", "episode_id", verdicts_snapshot,
+                                         where=pl.col("episode_id").is_in(ids))
+            accepted = dict(verdicts.select("episode_id", "success").iter_rows())
     harmful: set[str] = set()
     if "step_critiques" in ws.catalog.tables():
         _, critiques_snapshot = ws.catalog.resolve("step_critiques@latest")

@@ -485,3 +485,22 @@ def test_a_look_at_a_version_reads_only_the_columns_and_rows_it_shows(catalog: C
         catalog.load("steps")
     with pytest.raises(UnknownColumn, match=r"steps has no column named 'app'; its columns: run_id, step_id"):
         catalog.load("steps", columns=["step_id", "app"])
+
+
+def test_newest_gives_each_key_the_row_of_the_run_that_committed_last(tmp_path: Path) -> None:
+    """Verdicts accumulate: an episode judged three times has three rows, and a scan reads the newest commit's
+    rows first, so "the last row read" was the first verdict. `newest` gives the last one, at a version too."""
+    from trajforge.schemas.records import Verdict
+
+    def verdict(run: str, episode: str, success: bool) -> Verdict:
+        return Verdict(run_id=run, verdict_id=f"{run}:{episode}", episode_id=episode, query_id="q", success=success,
+                       consensus="checker_first", channels_json="{}", reason="r", config_hash="x")
+
+    catalog = Catalog(tmp_path / "wh")
+    versions = [catalog.commit_rows("verdicts", [verdict(run, "e1", ok), verdict(run, f"only-{run}", True)],
+                                    lineage(f"k-{run}", "critics", run_id=run))
+                for run, ok in (("critics-1", True), ("critics-2", False), ("critics-3", True))]
+    newest = catalog.newest("verdicts", "episode_id")
+    assert newest.height == 4 and newest.filter(pl.col("episode_id") == "e1")["run_id"].to_list() == ["critics-3"]
+    at_second = catalog.newest("verdicts", "episode_id", versions[1], where=pl.col("episode_id") == "e1")
+    assert at_second.select("run_id", "success").rows() == [("critics-2", False)]

@@ -200,6 +200,31 @@ def test_a_step_the_step_critic_labelled_harmful_is_history_not_a_target(tmp_pat
     assert ces._fallback_state(steps, 3) == "Done so far: " + "; ".join(["Click the link 'Cart'"] * 3) + "."
 
 
+def test_a_policy_episode_is_trusted_by_the_critics_latest_verdict(tmp_path):
+    """Judged again, an episode is trusted as the latest verdict says: accepted then rejected is not trusted
+    (the first verdict, read last from a scan, used to decide), rejected then accepted is."""
+    from trajforge.schemas.records import Verdict
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    now = datetime(2026, 12, 5, tzinfo=UTC)
+    episodes = [Episode(run_id="made", episode_id=e, query_id="q", app="notes", instruction="task",
+                        policy="gui_owl_e2e", model_id="m", prompt_version="1", viewport="mobile",
+                        status="terminated", num_steps=1, final_url="u", final_state_json="{}", started_at=now,
+                        finished_at=now, source="policy") for e in ("flipped-out", "flipped-in")]
+    ws.catalog.commit_rows("episodes", episodes, _made("episodes"))
+    steps = [_step("click", {"x": 5, "y": 9}, "link", "Cart").model_copy(update={
+        "run_id": "made", "step_id": f"{e.episode_id}:0", "episode_id": e.episode_id}) for e in episodes]
+    snapshot = ws.catalog.commit_rows("steps", steps, _made("steps"))
+    for n, accepted in enumerate(({"flipped-out"}, {"flipped-in"})):
+        ws.catalog.commit_rows("verdicts", [Verdict(
+            run_id=f"critics{n}", verdict_id=f"{e.episode_id}:{n}", episode_id=e.episode_id, query_id="q",
+            success=e.episode_id in accepted, consensus="checker_first", channels_json="{}", reason="r",
+            config_hash="x") for e in episodes], _made(f"verdicts{n}", f"critics{n}"))
+    inputs = ces.load_trusted(ws, snapshot)
+    assert [u.episode_id for u in inputs.units] == ["flipped-in"]
+    assert inputs.stats["not trusted: policy episode not accepted by the critics"] == 1
+
+
 # ---------------------------------------------------------------- the rules, by hand
 
 
