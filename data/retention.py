@@ -138,6 +138,13 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
                                      if s.timestamp_ms >= cutoff_ms or _run_of(s) in unfinished}
             for name, tbl in tables.items()}
     # A kept version's lineage names the versions it was made from: they stay, so it can be explained and rerun.
+    # So do the versions its stage run committed beside it (a rollout's steps beside its episodes, a critics run's
+    # step critiques beside its verdicts): a later stage finds them by their commit keys (`Catalog.written_with`).
+    committed_with: dict[tuple[str, str], list[tuple[str, int]]] = {}
+    for name, tbl in tables.items():
+        for snapshot in tbl.metadata.snapshots:
+            if (lineage := snapshot_lineage(snapshot)) is not None:
+                committed_with.setdefault((lineage.run_id, lineage.stage), []).append((name, snapshot.snapshot_id))
     grown = True
     while grown:
         grown = False
@@ -145,7 +152,10 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
             for sid in list(keep[name]):
                 snapshot = tbl.snapshot_by_id(sid)
                 lineage = snapshot_lineage(snapshot) if snapshot is not None else None
-                for table, input_sid in (lineage.inputs if lineage is not None else {}).items():
+                if lineage is None:
+                    continue
+                beside = [(t, v) for t, v in committed_with.get((lineage.run_id, lineage.stage), []) if t != name]
+                for table, input_sid in [*lineage.inputs.items(), *beside]:
                     if table in keep and input_sid not in keep[table] and tables[table].snapshot_by_id(input_sid):
                         keep[table].add(input_sid)
                         grown = True

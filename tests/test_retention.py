@@ -108,6 +108,23 @@ def test_a_version_a_kept_version_was_made_from_is_kept(tmp_path: Path) -> None:
     assert Catalog(tmp_path / "warehouse").load("queries", first)["query_id"].to_list() == ["q1"]
 
 
+def test_the_versions_a_kept_versions_stage_run_committed_beside_it_are_kept(tmp_path: Path) -> None:
+    """A hand-tagged steps version of one stage run keeps the queries version that run committed beside it: a
+    later stage finds it by its commit key (`Catalog.written_with`), as critics find a rollout's steps."""
+    catalog = Catalog(tmp_path / "warehouse")
+    beside = catalog.commit_rows("queries", [query_row("q1", run_id="run-a")],
+                                 lineage("a:q", "rollout", run_id="run-a"))
+    tagged = catalog.commit_files("steps", [shard(catalog, "a", [step_row("s1")])],
+                                  lineage("a:s", "rollout", run_id="run-a"))
+    catalog.tag("steps", tagged, "keep-me")
+    catalog.commit_rows("queries", [query_row("q2", run_id="run-b")], lineage("b:q", "rollout", run_id="run-b"))
+    catalog.commit_files("steps", [shard(catalog, "b", [step_row("s2")])], lineage("b:s", "rollout", run_id="run-b"))
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    gone = expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
+    assert "queries" not in gone.snapshots
+    assert Catalog(tmp_path / "warehouse").load("queries", beside)["query_id"].to_list() == ["q1"]
+
+
 def test_what_an_unfinished_run_committed_stays_so_its_rerun_commits_it_once(tmp_path: Path) -> None:
     """A run committed its queries (an overwrite table) and died before its next stage; another run moved queries
     on, then expire ran. The unfinished run's version stays: its rerun finds it by its commit key and commits
