@@ -721,7 +721,7 @@ class Catalog:
                     f"or point the table's tag at an earlier version (`trajforge datasets history {name}`)")
         return exc
 
-    def newest(self, table: str, key: str, version: int | str | None = None, *,
+    def newest(self, table: str, key: str | list[str], version: int | str | None = None, *,
                where: pl.Expr | None = None) -> pl.DataFrame:
         """The rows of one version (None: the latest) that match `where` (read as such, not filtered from the
         whole), one per `key`: the row of the run that committed last (by the table's history, through each row's

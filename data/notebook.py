@@ -131,10 +131,11 @@ def yield_per_night(catalog: Catalog, tables: Iterable[str] = TRAINING_TABLES) -
 def trajectory(catalog: Catalog, episode_id: str, version: int | str | None = None) -> pl.DataFrame:
     """One episode's steps in order, with each step's critic labels ('critic: LABEL', comma separated).
 
-    `version` is a steps snapshot id or tag (None: latest); the labels come from the latest critiques.
+    `version` is a steps snapshot id or tag (None: latest); the labels are each critic's latest (a step judged
+    again by the same critic shows its last label, not both).
     """
     steps = catalog.scan("steps", version).filter(pl.col("episode_id") == episode_id).sort("step_index").collect()
-    critiques = catalog.scan("step_critiques").filter(pl.col("episode_id") == episode_id).collect()
+    critiques = catalog.newest("step_critiques", ["step_id", "critic"], where=pl.col("episode_id") == episode_id)
     labels = critiques.group_by("step_id").agg(
         pl.format("{}: {}", "critic", pl.col("label").fill_null("unparsed")).sort().str.join(", ").alias("labels"))
     return steps.join(labels, on="step_id", how="left")

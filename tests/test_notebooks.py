@@ -104,3 +104,21 @@ def test_a_folder_with_no_warehouse_is_an_error_naming_where_it_looked(tmp_path,
         open_catalog()
     assert str(tmp_path / "data" / "warehouse") in str(exc.value)
     assert list(tmp_path.iterdir()) == [], "a read creates no warehouse"
+
+
+def test_a_trajectory_shows_each_critics_latest_label(tmp_path):
+    """A step judged again by the same critic shows that critic's last label, not both."""
+    from test_catalog import step_row
+
+    from trajforge.data.notebook import trajectory
+    from trajforge.schemas.records import StepCritique
+
+    with Catalog(tmp_path / "wh") as catalog:
+        catalog.commit_rows("steps", [step_row("s1")], lineage("steps", "rollout"))
+        for run, label in (("critics-1", "GOOD"), ("critics-2", "HARMFUL")):
+            catalog.commit_rows("step_critiques", [StepCritique(
+                run_id=run, critique_id=f"{run}:s1", step_id="s1", episode_id=step_row("s1")["episode_id"],
+                critic="critic_step@1", model_id="m", prompt_version="1", analysis="", summary="", label=label,
+                raw_output="")], lineage(f"{run}:critiques", "critics", run_id=run))
+        steps = trajectory(catalog, step_row("s1")["episode_id"])
+    assert steps["labels"].to_list() == ["critic_step@1: HARMFUL"]
