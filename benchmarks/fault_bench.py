@@ -134,8 +134,10 @@ def chain(folder: Path, points: list[Point], poll_s: float = 0.02) -> Chain:
     out = Chain()
     todo = sorted(points, key=all_points().index)
     while True:
+        # stderr to a file, not a pipe: read only at the end, a pipe would stop the night when its 64 KB filled
+        err_file = tempfile.TemporaryFile("w+")
         proc = subprocess.Popen([cli_path(), "run", "nightly"], cwd=folder, env=cli_env(folder), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=err_file, text=True)
         out.reruns += 1
         killed = False
         try:
@@ -150,10 +152,14 @@ def chain(folder: Path, points: list[Point], poll_s: float = 0.02) -> Chain:
                     out.missed.append(todo.pop(0))
                     continue
                 time.sleep(poll_s)
-            _, err = proc.communicate(timeout=1800)  # killed: returns at once; else the night runs to its end
+            proc.wait(timeout=1800)  # killed: returns at once; else the night runs to its end
         except BaseException:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
+        finally:
+            err_file.seek(0)
+            err = err_file.read()
+            err_file.close()
         if killed:
             continue
         if proc.returncode != 0:
