@@ -144,8 +144,11 @@ class Lineage(BaseModel):
     code_version: str
     models: dict[str, str] = Field(default_factory=dict, description="role -> model id.")
     prompts: dict[str, str] = Field(default_factory=dict, description="template -> version.")
-    kept: dict[str, int] = Field(default_factory=dict, description="table -> rows written.")
-    dropped: dict[str, int] = Field(default_factory=dict, description="reason -> rows dropped.")
+    kept: dict[str, int] = Field(default_factory=dict, description="table -> rows written (this table's).")
+    dropped: dict[str, int] = Field(
+        default_factory=dict, description="reason -> count, over the whole stage run: every table of a stage "
+        "carries the same drops, and each reason says what it dropped (a step, an element, a sample), so kept and "
+        "dropped need not add up per table.")
     stats: dict[str, int] = Field(
         default_factory=dict, description="Other counts of the stage: coverage, fallbacks, unverified checks."
     )
