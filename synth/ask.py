@@ -32,6 +32,8 @@ class Answer:
     error: str | None
     model_id: str
     prompt: str
+    finish_reason: str | None = None
+    """Why decoding stopped ("length": at the prompt's max_tokens, the text cut off)."""
 
 
 class Asker:
@@ -65,4 +67,5 @@ class Asker:
         except GatewayError as exc:
             return Answer("", None, f"no answer: {exc.record.error}", exc.record.model_id, version)
         self.out.models[self.role] = result.record.model_id
-        return Answer(result.text, result.parsed, result.parse_error, result.record.model_id, version)
+        return Answer(result.text, result.parsed, result.parse_error, result.record.model_id, version,
+                      result.record.finish_reason)

@@ -13,6 +13,9 @@ is kept flagged `hinted_with_answer`. A step the Mobile-Agent-v3 roles decided
 (`roles_json`) is distilled instead: the model merges the roles' outputs into one
 reasoning (`reasoning_distill`), paired with the worker's action.
 
+A reasoning the model was cut off in (at the prompt's max_tokens) keeps its whole sentences only, and
+none is no reasoning (`reasoning_text`): the act check, the row and its training sample see the same text.
+
 Every sample is a `reasoning_samples` row, rejected ones too (kept false, with the match
 result), so each style's acceptance rate can be counted; each kept one is a
 `train_reasoning` row, the step in `train_e2e`'s messages with the reasoning as its thinking.
@@ -21,6 +24,7 @@ result), so each style's acceptance rate can be counted; each kept one is a
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from trajforge.envs import actions
@@ -45,6 +49,22 @@ from trajforge.synth.trusted import (
 from trajforge.synth.trusted import history as past  # `history` names a step's past actions below
 
 ACT, HINTED, DISTILL = "reasoning_act", "reasoning_hinted", "reasoning_distill"
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
+
+
+def reasoning_text(answer: Answer) -> tuple[str, str | None]:
+    """The reasoning an answer gives, and why it gives none. An answer cut off at the prompt's max_tokens keeps
+    its whole sentences only: a thought that stops mid-sentence is no example to learn from, and the act check
+    then sees what is kept. None of it whole, or no answer, is no reasoning."""
+    if answer.error or not answer.text.strip():
+        return "", f"no reasoning: {answer.error or 'empty'}"
+    text = answer.text.strip()
+    if answer.finish_reason == "length":
+        ends = list(_SENTENCE_END.finditer(text))
+        text = text[:ends[-1].end()] if ends else ""
+        if not text:
+            return "", "no reasoning: cut off at max_tokens before its first sentence ended"
+    return text, None
 
 
 class _Reasoner(Asker):
@@ -119,7 +139,7 @@ def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, atte
         run_id=reasoner.run_id, reasoning_id=short_id(reasoner.run_id, step.step_id, style, str(attempt)),
         step_id=step.step_id,
         episode_id=unit.episode_id, query_id=unit.query_id, trusted=unit.trusted, hint_style=style, attempt=attempt,
-        reasoning=answer.text.strip(), raw_output=answer.text, trusted_action_json=step.action_json,
+        reasoning=reasoning_text(answer)[0], raw_output=answer.text, trusted_action_json=step.action_json,
         model_id=answer.model_id, prompt_version=prompt, **result)
 
 
@@ -135,11 +155,12 @@ def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list
         for attempt in range(cfg.reasoning_tries):
             said = reasoner.ask(name, seed=attempt, task=unit.instruction, history=history, **screen)
             versions = f"{reasoner.version(name)},{reasoner.version(ACT)}"
-            if said.error or not said.text.strip():
+            reasoning, unusable = reasoning_text(said)
+            if unusable:
                 rows.append(_row(reasoner, unit, step, style, attempt, said, versions, matched=None, kept=False,
-                                 hinted_with_answer=False, match_reason=f"no reasoning: {said.error or 'empty'}"))
+                                 hinted_with_answer=False, match_reason=unusable))
                 continue
-            act = reasoner.ask(ACT, reasoning=said.text.strip(), tools=tool_spec(space), function=FUNCTIONS[space],
+            act = reasoner.ask(ACT, reasoning=reasoning, tools=tool_spec(space), function=FUNCTIONS[space],
                                schema=ToolCall, json_schema=prediction_schema(space, step, cfg.points), **screen)
             predicted, why = predicted_action(act, FUNCTIONS[space])
             verdict = match(predicted, trusted, target_box=step.target_box, tolerance=cfg.match_tolerance_px) \
@@ -153,10 +174,10 @@ def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list
                 break
     if not any(r.kept for r in rows):
         said = reasoner.ask(HINTED, task=unit.instruction, history=history, action=action_text(step), **screen)
+        unusable = reasoning_text(said)[1]
         rows.append(_row(reasoner, unit, step, "hinted", 0, said, reasoner.version(HINTED), matched=None,
-                         kept=bool(said.text.strip()) and said.error is None, hinted_with_answer=True,
-                         match_reason="given the trusted action" if said.text.strip() else
-                         f"no reasoning: {said.error or 'empty'}"))
+                         kept=unusable is None, hinted_with_answer=True,
+                         match_reason=unusable or "given the trusted action"))
     return rows
 
 
@@ -165,9 +186,9 @@ def _distill(reasoner: _Reasoner, unit: TrustedEpisode, step: Step) -> list[Reas
     said = reasoner.ask(DISTILL, task=unit.instruction, roles=_roles(step), action=action_text(step),
                         platform=actions.space_for(unit.viewport), width=step.width, height=step.height,
                         screenshots=_screen(step))
+    unusable = reasoning_text(said)[1]
     return [_row(reasoner, unit, step, "distilled", 0, said, reasoner.version(DISTILL), matched=None,
-                 kept=bool(said.text.strip()) and said.error is None, hinted_with_answer=False,
-                 match_reason="the roles' decision" if said.text.strip() else f"no reasoning: {said.error or 'empty'}")]
+                 kept=unusable is None, hinted_with_answer=False, match_reason=unusable or "the roles' decision")]
 
 
 # ---------------------------------------------------------------- the stage

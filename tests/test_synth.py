@@ -563,3 +563,20 @@ def test_screens_a_killed_run_committed_to_grounding_alone_are_still_its_work(re
     ws.ledger.mark_committed(run, "grounding", {})
     after = {s.screenshot for s in grounding.load_screens(ws, snapshots["steps"]).units}
     assert set(rows["screenshot"]) & before and after == before - set(rows["screenshot"])
+
+
+def test_a_reasoning_cut_off_at_max_tokens_keeps_its_whole_sentences_only():
+    """A thought that stops mid-sentence is no example: the whole sentences stay (what the act check then sees),
+    and an answer with none is no reasoning, saying why."""
+    from trajforge.synth.ask import Answer
+
+    def said(text: str, finish: str) -> Answer:
+        return Answer(text, None, None, "m", "reasoning_cot@1", finish)
+
+    cut = said("The cart costs $12.50 now. I should open the Cart link. Then check the", "length")
+    assert reasoning.reasoning_text(cut) == ("The cart costs $12.50 now. I should open the Cart link.", None)
+    assert reasoning.reasoning_text(said("Open the Cart link", "stop")) == ("Open the Cart link", None)
+    assert reasoning.reasoning_text(said("The cart costs $12", "length")) == (
+        "", "no reasoning: cut off at max_tokens before its first sentence ended")
+    assert reasoning.reasoning_text(Answer("", None, "no answer: timeout", "m", "p")) == (
+        "", "no reasoning: no answer: timeout")
