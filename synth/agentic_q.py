@@ -265,7 +265,10 @@ def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
     ids = [e["episode_id"] for rows in judged.values() for e in rows[-cfg.attempts:]]
     steps = steps_by_episode(ws.catalog.newest("steps", "step_id", snapshot, where=pl.col("episode_id").is_in(ids))
                              .to_dicts())
-    checkers = checker_versions(ws, list(judged))
+    _, queries_snapshot = ws.catalog.resolve("queries@latest")
+    if queries_snapshot is not None:
+        inputs.snapshots["queries"] = queries_snapshot
+    checkers = checker_versions(ws, list(judged), queries_snapshot)
     for query_id, rows in sorted(judged.items()):
         if len(rows) < cfg.attempts:
             inputs.stats[f"fewer than {cfg.attempts} judged attempts: left for a later night"] += 1

@@ -127,11 +127,11 @@ def group_advantages(scores: list[float]) -> list[float]:
     return [0.0 if std == 0 else (r - mean) / std for r in scores]
 
 
-def checker_versions(ws: Workspace, query_ids: list[str]) -> dict[str, str]:
-    """query id -> `checker@hash of its parameters` for the queries' latest rows."""
+def checker_versions(ws: Workspace, query_ids: list[str], version: int | None = None) -> dict[str, str]:
+    """query id -> `checker@hash of its parameters` for the queries' rows in that version (None: the latest)."""
     if "queries" not in ws.catalog.tables():
         return {}
-    queries = (ws.catalog.scan("queries").filter(pl.col("query_id").is_in(query_ids))
+    queries = (ws.catalog.scan("queries", version).filter(pl.col("query_id").is_in(query_ids))
                .unique("query_id", keep="last").select("query_id", "checker", "checker_params_json").collect())
     return {q: f"{c}@{digest(p, 8)}" for q, c, p in queries.iter_rows()}
 
@@ -149,9 +149,11 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
     steps the step critic's latest label (`step_critiques@latest`) calls HARMFUL, counted: not imitated."""
     steps, snapshot = ws.catalog.rows_added("steps", snapshot)
     ids = steps["episode_id"].unique().to_list()
-    episodes = (ws.catalog.scan("episodes").filter(pl.col("episode_id").is_in(ids))
-                .unique("episode_id", keep="last").collect())
-    snapshots = {"steps": snapshot}
+    # The other tables at the versions read now, named in the lineage: a rerun reads the same ones.
+    snapshots = {"steps": snapshot} | {table: version for table in ("episodes", "queries")
+                                       if (version := ws.catalog.resolve(f"{table}@latest")[1]) is not None}
+    episodes = ws.catalog.newest("episodes", "episode_id", snapshots.get("episodes"),
+                                 where=pl.col("episode_id").is_in(ids))
     accepted: dict[str, bool] = {}
     if "verdicts" in ws.catalog.tables():
         _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
@@ -167,7 +169,7 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
             snapshots["step_critiques"] = critiques_snapshot
             harmful = harmful_steps(ws, critiques_snapshot, steps["step_id"].to_list())
     by_episode = steps_by_episode(steps.to_dicts())
-    checkers = checker_versions(ws, episodes["query_id"].unique().to_list())
+    checkers = checker_versions(ws, episodes["query_id"].unique().to_list(), snapshots.get("queries"))
     inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
     for e in episodes.to_dicts():
         if e.get("source") == "reference":
