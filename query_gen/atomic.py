@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from urllib.parse import urlsplit
 
 from playwright.sync_api import Error as PlaywrightError
 
@@ -85,6 +86,8 @@ class _Candidate:
     operation: Operation
     scrolls: int
     """Scrolls the replay needs to bring the element into view (from its box at load)."""
+    page: str
+    """The page's path and query, as the recorder reports it: where the operation must be done."""
 
 
 @dataclass
@@ -184,6 +187,8 @@ class _Page:
         self.env, self.route, self.rng, self.fields_text = env, route, rng, fields_text
         obs = env.observe()
         self.width, self.height = obs.width, obs.height
+        here = urlsplit(env.url)
+        self.page = here.path + (f"?{here.query}" if here.query else "")
         self.items = ax_items(obs.nodes)
         self.rejected: Counter[str] = Counter()
 
@@ -212,7 +217,7 @@ class _Page:
                 self.rejected[f"{op}: a password field"] += 1
                 continue
             if ok:
-                kept.append(_Candidate(self.route, operation, _scrolls(box, self.height)))
+                kept.append(_Candidate(self.route, operation, _scrolls(box, self.height), self.page))
             else:
                 self.rejected[f"{op}: element not found exactly once by role and name"] += 1
         return kept
@@ -366,7 +371,7 @@ than the scrolling); every other op is one action."""
 def _query(app: str, candidate: _Candidate, *, run_id: str, now: datetime, margin: int) -> Query:
     route, op = candidate.route, candidate.operation
     steps = len(route.links) + candidate.scrolls + _OP_STEPS.get(op.op, 1) + 1  # + terminate
-    params = op.model_dump(exclude_none=True)
+    params = op.model_dump(exclude_none=True) | {"page": candidate.page}
     return Query(
         run_id=run_id,
         query_id=query_id(app, route, op),

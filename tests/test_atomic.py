@@ -51,7 +51,7 @@ def test_interaction_checker_wants_the_op_on_the_element() -> None:
     state = {"cart": [], UI_EVENTS: [event("click", "link", "Inbox"),
                                      event("double_click", "text", "Oat milk, eggs, spinach.", text="spinach")]}
     assert check_interaction({"op": "click", "role": "link", "name": "inbox"}, state) == (
-        True, "recorded click link 'Inbox'")
+        True, "recorded click link 'Inbox' on /")
     ok, reason = check_interaction({"op": "right_click", "role": "link", "name": "Inbox"}, state)
     assert not ok and reason.startswith("no right_click link 'Inbox' was recorded; the last recorded: click link")
     ok, reason = check_interaction({"op": "click", "role": "link", "name": "Starred"}, state)
@@ -65,6 +65,10 @@ def test_interaction_checker_wants_the_op_on_the_element() -> None:
     assert not ok and "op is 'hover'" in reason
     assert check_interaction({"op": "click", "role": "link", "name": "Inbox"}, {"cart": []})[1].endswith(
         "the last recorded: nothing")
+    # "Follow the link 'Languages', and there click 'All settings'": the start page's own link is not it.
+    ok, reason = check_interaction({"op": "click", "role": "link", "name": "Inbox", "page": "/folders"}, state)
+    assert not ok and reason.startswith("no click link 'Inbox' on /folders was recorded")
+    assert check_interaction({"op": "click", "role": "link", "name": "Inbox", "page": "/"}, state)[0]
 
 
 def test_interaction_checker_reads_a_fields_last_value_and_the_drop_target() -> None:
@@ -154,7 +158,8 @@ def test_every_op_kind_is_generated_from_live_pages(generated: list[Query]) -> N
     for q in generated:
         op = op_of(q)
         assert (q.source, q.checker, q.generator) == ("atomic", "interaction", GENERATOR)
-        assert json.loads(q.checker_params_json) == op.model_dump(exclude_none=True)
+        params = json.loads(q.checker_params_json)
+        assert params == op.model_dump(exclude_none=True) | {"page": params["page"]} and params["page"][0] == "/"
         assert q.max_steps >= 2 + 3 and q.path[0] == load_app(q.app).spec.start
         if op.op in ("double_click", "select_text"):
             assert op.role == "text" and op.text and op.text in op.name

@@ -98,6 +98,8 @@ def _said(event: dict[str, Any]) -> str:
         text += f" text {event['text']!r}"
     if event.get("to_role") is not None:
         text += f" onto {event['to_role']} {event.get('to_name', '')!r}"
+    if event.get("page") is not None:
+        text += f" on {event['page']}"
     return text
 
 
@@ -106,7 +108,9 @@ def check_interaction(params: dict[str, str], state: dict[str, Any]) -> tuple[bo
 
     Optional params narrow it: `text` (the word double-clicked, the passage selected, the
     value typed: for type_at the field's last value), `to_role` and `to_name` (where a
-    drag was dropped). The reason names the matching event, or what was recorded instead.
+    drag was dropped), `page` (the path and query of the page it was done on: "follow the
+    link 'Languages', and there click 'All settings'" is not done by the start page's own
+    'All settings' link). The reason names the matching event, or what was recorded instead.
     """
     absent = [k for k in ("op", "role", "name") if not params.get(k)]
     if absent:
@@ -116,12 +120,14 @@ def check_interaction(params: dict[str, str], state: dict[str, Any]) -> tuple[bo
     events = state.get(UI_EVENTS, [])
     on_element = [e for e in events if e["op"] == params["op"] and _same(e["role"], params["role"])
                   and _same(e["name"], params["name"])]
+    if params.get("page"):
+        on_element = [e for e in on_element if e.get("page") == params["page"]]
     if params["op"] == "type_at":  # what the field holds now, not what it held on the way
         on_element = sorted(on_element, key=lambda e: e["at"])[-1:]
     wanted = {k: params[k] for k in ("text", "to_role", "to_name") if params.get(k)}
     for event in on_element:
         if all(_same(event.get(k, ""), v) for k, v in wanted.items()):
             return True, f"recorded {_said(event)}"
-    target = _said({k: params.get(k) for k in ("op", "role", "name", "text", "to_role", "to_name")})
+    target = _said({k: params.get(k) for k in ("op", "role", "name", "text", "to_role", "to_name", "page")})
     seen = "; ".join(_said(e) for e in events[-5:]) or "nothing"
     return False, f"no {target} was recorded; the last recorded: {seen}"
