@@ -109,7 +109,7 @@ def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> S
         for sample in samples:
             out.rows["reasoning_samples"].append(sample)
             if not sample.kept:
-                out.dropped[f"{sample.hint_style} reasoning rejected: {sample.match_reason.split(' ')[0]} differs"] += 1
+                out.dropped[f"{sample.hint_style} reasoning rejected: {_rejection(sample.match_reason)}"] += 1
                 continue
             out.stats[f"steps with an accepted reasoning: {sample.hint_style}"] += 1
             messages_json, images = policy_messages(instruction=unit.instruction, viewport=unit.viewport, step=step,
@@ -131,6 +131,16 @@ def reasoning_summary(stats: dict[str, int]) -> str | None:
     shares = [f"{name.removeprefix(prefix)} {n / tried:.0%}" for name, n in sorted(stats.items())
               if name.startswith(prefix)]
     return f"{tried} trusted steps; accepted reasoning per hint style: {', '.join(shares) or 'none'}"
+
+
+def _rejection(why: str) -> str:
+    """A rejected sample's reason as a lineage count: what differed ('point differs', from `synth.match`), or why
+    there was nothing to compare, without its details ('no reasoning: no answer', 'prediction unusable')."""
+    if why.startswith("no reasoning:"):
+        return ":".join(why.split(":")[:2])
+    if why.startswith("prediction unusable"):
+        return "prediction unusable"
+    return f"{why.split(' ')[0]} differs"
 
 
 def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, attempt: int, answer: Answer,

@@ -580,3 +580,11 @@ def test_a_reasoning_cut_off_at_max_tokens_keeps_its_whole_sentences_only():
         "", "no reasoning: cut off at max_tokens before its first sentence ended")
     assert reasoning.reasoning_text(Answer("", None, "no answer: timeout", "m", "p")) == (
         "", "no reasoning: no answer: timeout")
+
+
+def test_a_rejected_reasonings_count_says_why():
+    assert reasoning._rejection("point (364, 28) outside the target box [30, 683, 58, 40]") == "point differs"
+    assert reasoning._rejection("no reasoning: cut off at max_tokens before its first sentence ended") == (
+        "no reasoning: cut off at max_tokens before its first sentence ended")
+    assert reasoning._rejection("no reasoning: no answer: ReadTimeout after 30 s") == "no reasoning: no answer"
+    assert reasoning._rejection("prediction unusable: not one JSON object") == "prediction unusable"
