@@ -219,6 +219,10 @@ def _local_path(location: str) -> Path:
     return Path(unquote(parsed.path))
 
 
+CATALOG_FILE = "catalog.db"
+"""The SQLite catalog's file in a warehouse folder (no `catalog_url`): whether a warehouse exists there."""
+
+
 def data_folder(table: Table) -> Path:
     """The folder of a table's data files, from its own location: reading it needs no record model (a table a
     removed stage wrote has none) and commits nothing (`Catalog.table` may evolve the schema)."""
@@ -404,7 +408,7 @@ class Catalog:
         self.warehouse = Path(warehouse).resolve()
         self.warehouse.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
-        self.uri = uri or f"sqlite:///{self.warehouse / 'catalog.db'}"
+        self.uri = uri or f"sqlite:///{self.warehouse / CATALOG_FILE}"
         self.iceberg = SqlCatalog(name, uri=self.uri, warehouse=self.warehouse.as_uri())
         """The pyiceberg catalog underneath, for maintenance such as expiring snapshots."""
         if not self.iceberg.namespace_exists(namespace):
@@ -703,6 +707,10 @@ class Catalog:
             frame = frame.select(columns)
         if limit is not None:
             frame = frame.head(limit)
+        return self._collect(name, snapshot_id, frame)
+
+    def _collect(self, name: str, snapshot_id: int | None, frame: pl.LazyFrame) -> pl.DataFrame:
+        """A read of one version into memory; a data file that cannot be read is named (CorruptData)."""
         try:
             return frame.collect()
         except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
@@ -734,10 +742,7 @@ class Catalog:
         name, snapshot_id = self.resolve(self._ref(table, version))
         order = {info.lineage.run_id: n for n, info in enumerate(self.history(name)) if info.lineage is not None}
         scan = self._scan(name, snapshot_id)
-        try:
-            frame = (scan if where is None else scan.filter(where)).collect()
-        except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
-            raise self._corruption(name, snapshot_id, exc) from exc
+        frame = self._collect(name, snapshot_id, scan if where is None else scan.filter(where))
         committed = pl.col("run_id").replace_strict(order, default=-1, return_dtype=pl.Int64)
         return frame.sort(committed, maintain_order=True).unique(key, keep="last", maintain_order=True)
 
@@ -764,6 +769,11 @@ class Catalog:
         if snap is None:
             raise LookupError(f"table {table!r} has no version {snapshot_id}")
         return _info(snap, _tags(tbl))
+
+    def latest_versions(self, *tables: str) -> dict[str, int]:
+        """Table -> its latest version's id, for those of `tables` that have one: what a stage reads beside its
+        input, pinned once so that it reads those versions and names them in its lineage."""
+        return {table: version for table in tables if (version := self.resolve(f"{table}@latest")[1]) is not None}
 
     def latest(self, table: str) -> tuple[pl.DataFrame, int | None]:
         """Every row of a table's latest version (an empty frame before its first), and that version's id."""

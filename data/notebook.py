@@ -22,7 +22,7 @@ import polars as pl
 from PIL import Image, ImageDraw
 
 from trajforge.data.blobs import BlobStore
-from trajforge.data.catalog import Catalog
+from trajforge.data.catalog import CATALOG_FILE, Catalog
 from trajforge.schemas.config import load_settings
 from trajforge.schemas.records import RECORDS, ChatSample, TrainingStep
 
@@ -44,7 +44,7 @@ def find_project(start: Path | None = None) -> tuple[Path, Path | None]:
     for folder in (here, *here.parents):
         if (folder / "trajforge.yaml").is_file():
             return folder, folder / "trajforge.yaml"
-        if (folder / DEFAULT_WAREHOUSE / "catalog.db").is_file():
+        if (folder / DEFAULT_WAREHOUSE / CATALOG_FILE).is_file():
             return folder, None
     return here, None
 
@@ -56,7 +56,7 @@ def open_catalog(config: Path | str | None = None) -> Catalog:
     root, path = (Path(config).resolve().parent, Path(config)) if config else find_project()
     wh = load_settings(path).warehouse
     wh = wh.model_copy(update={"path": root / wh.path.expanduser()})  # an absolute path stays as it is
-    if wh.catalog_url is None and not (wh.path / "catalog.db").is_file():
+    if wh.catalog_url is None and not (wh.path / CATALOG_FILE).is_file():
         where = f"warehouse.path of {path}" if path is not None else (
             f"the default warehouse.path: no trajforge.yaml nor warehouse in {Path.cwd()} or a folder above it")
         raise FileNotFoundError(

@@ -134,9 +134,11 @@ def _settings(config: Path | None, models: bool = False) -> Settings:
 def _no_warehouse(settings: Settings) -> Path | None:
     """The local warehouse's folder where it has no catalog yet (no night ran); None where it has one, or the
     catalog is a database elsewhere. A command that only reads says so rather than create an empty one."""
+    from trajforge.data.catalog import CATALOG_FILE
+
     wh = settings.warehouse
     path = wh.path.expanduser().resolve()
-    return path if wh.catalog_url is None and not (path / "catalog.db").exists() else None
+    return path if wh.catalog_url is None and not (path / CATALOG_FILE).is_file() else None
 
 
 def _workspace(settings: Settings) -> Workspace:

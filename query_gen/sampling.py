@@ -79,8 +79,9 @@ def sample_tasks(spec: AppSpec, n: int, *, seed: int, max_len: int) -> list[Samp
     rng = random.Random(seed)
     paths = goal_paths(spec, max_len)
     # A path that fills slots its goal does not ask for is sampled only for a goal that has no other path.
-    exact = {p[-1] for p in paths if _asks_for_all(spec, p)}
-    paths = [p for p in paths if p[-1] not in exact or _asks_for_all(spec, p)]
+    fits = [_asks_for_all(spec, p) for p in paths]
+    exact = {p[-1] for p, fit in zip(paths, fits) if fit}
+    paths = [p for p, fit in zip(paths, fits) if fit or p[-1] not in exact]
     if not paths:
         return []
     g = spec.graph()

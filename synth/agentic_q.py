@@ -238,22 +238,20 @@ def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
     cfg = ws.settings.agentic_q
     added, snapshot = ws.catalog.rows_added("steps", snapshot)
     inputs = Inputs[QueryAttempts](units=[], snapshots={"steps": snapshot})
-    _, episodes_snapshot = ws.catalog.resolve("episodes@latest")
-    if episodes_snapshot is not None:
-        inputs.snapshots["episodes"] = episodes_snapshot
-    episodes = ws.catalog.newest("episodes", "episode_id", episodes_snapshot).lazy()
+    read = ws.catalog.latest_versions("episodes", "verdicts", "queries")  # each named in the lineage once read
+    if "episodes" in read:
+        inputs.snapshots["episodes"] = read["episodes"]
+    episodes = ws.catalog.newest("episodes", "episode_id", read.get("episodes")).lazy()
     query_ids = (episodes.filter(pl.col("episode_id").is_in(added["episode_id"].unique().to_list()))
                  .select("query_id").unique().collect()["query_id"].to_list())
     if not query_ids:
         return inputs
     episodes = episodes.filter(pl.col("query_id").is_in(query_ids) & (pl.col("source") != "reference")).collect()
     verdicts: dict[str, bool] = {}
-    if "verdicts" in ws.catalog.tables():
-        _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
-        if verdicts_snapshot is not None:
-            inputs.snapshots["verdicts"] = verdicts_snapshot
-            verdicts = dict(ws.catalog.newest("verdicts", "episode_id", verdicts_snapshot)
-                            .select("episode_id", "success").iter_rows())
+    if "verdicts" in read:
+        inputs.snapshots["verdicts"] = read["verdicts"]
+        verdicts = dict(ws.catalog.newest("verdicts", "episode_id", read["verdicts"])
+                        .select("episode_id", "success").iter_rows())
     judged: dict[str, list[dict[str, Any]]] = {}
     for e in episodes.sort("started_at").to_dicts():
         if e["status"] == "env_fault":
@@ -265,10 +263,9 @@ def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
     ids = [e["episode_id"] for rows in judged.values() for e in rows[-cfg.attempts:]]
     steps = steps_by_episode(ws.catalog.newest("steps", "step_id", snapshot, where=pl.col("episode_id").is_in(ids))
                              .to_dicts())
-    _, queries_snapshot = ws.catalog.resolve("queries@latest")
-    if queries_snapshot is not None:
-        inputs.snapshots["queries"] = queries_snapshot
-    checkers = checker_versions(ws, list(judged), queries_snapshot)
+    if "queries" in read:
+        inputs.snapshots["queries"] = read["queries"]
+    checkers = checker_versions(ws, list(judged), read.get("queries"))
     for query_id, rows in sorted(judged.items()):
         if len(rows) < cfg.attempts:
             inputs.stats[f"fewer than {cfg.attempts} judged attempts: left for a later night"] += 1

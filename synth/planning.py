@@ -434,8 +434,7 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
     snapshot = ws.catalog.version("episodes", snapshot)
     episodes = ws.catalog.load("episodes", snapshot)
     # The other tables at the versions read now, named in the lineage: a rerun reads the same ones.
-    read = {table: version for table in ("verdicts", "steps", "query_history")
-            if (version := ws.catalog.resolve(f"{table}@latest")[1]) is not None}
+    read = ws.catalog.latest_versions("verdicts", "steps", "query_history")
     ok = pl.col("episode_id").is_in(list(_accepted(ws, read.get("verdicts"))))
     if "source" in episodes.columns:
         ok = ok | ((pl.col("source") == "reference") & pl.col("success").fill_null(False))

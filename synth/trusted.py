@@ -150,24 +150,17 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
     steps, snapshot = ws.catalog.rows_added("steps", snapshot)
     ids = steps["episode_id"].unique().to_list()
     # The other tables at the versions read now, named in the lineage: a rerun reads the same ones.
-    snapshots = {"steps": snapshot} | {table: version for table in ("episodes", "queries")
-                                       if (version := ws.catalog.resolve(f"{table}@latest")[1]) is not None}
+    snapshots = {"steps": snapshot} | ws.catalog.latest_versions("episodes", "queries", "verdicts", "step_critiques")
     episodes = ws.catalog.newest("episodes", "episode_id", snapshots.get("episodes"),
                                  where=pl.col("episode_id").is_in(ids))
     accepted: dict[str, bool] = {}
-    if "verdicts" in ws.catalog.tables():
-        _, verdicts_snapshot = ws.catalog.resolve("verdicts@latest")
-        if verdicts_snapshot is not None:
-            snapshots["verdicts"] = verdicts_snapshot
-            verdicts = ws.catalog.newest("verdicts", "episode_id", verdicts_snapshot,
-                                         where=pl.col("episode_id").is_in(ids))
-            accepted = dict(verdicts.select("episode_id", "success").iter_rows())
+    if "verdicts" in snapshots:
+        verdicts = ws.catalog.newest("verdicts", "episode_id", snapshots["verdicts"],
+                                     where=pl.col("episode_id").is_in(ids))
+        accepted = dict(verdicts.select("episode_id", "success").iter_rows())
     harmful: set[str] = set()
-    if "step_critiques" in ws.catalog.tables():
-        _, critiques_snapshot = ws.catalog.resolve("step_critiques@latest")
-        if critiques_snapshot is not None:
-            snapshots["step_critiques"] = critiques_snapshot
-            harmful = harmful_steps(ws, critiques_snapshot, steps["step_id"].to_list())
+    if "step_critiques" in snapshots:
+        harmful = harmful_steps(ws, snapshots["step_critiques"], steps["step_id"].to_list())
     by_episode = steps_by_episode(steps.to_dicts())
     checkers = checker_versions(ws, episodes["query_id"].unique().to_list(), snapshots.get("queries"))
     inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
