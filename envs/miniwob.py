@@ -184,8 +184,9 @@ class MiniWoBEnv:
         return task in DEFAULT_TASKS and self.env.shows_document(url)
 
     def app_state(self) -> dict[str, Any]:
-        """The episode's reward as the page's JavaScript computed it."""
-        return self.env.page.evaluate(_STATE_JS)
+        """The episode's reward as the page's JavaScript computed it. Through the env's own call, so a closed
+        page or a hung renderer is an EnvFault within the action deadline, as every other env call is."""
+        return self.env.evaluate(_STATE_JS)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.env, name)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from trajforge.envs.browser import BrowserEnv
+from trajforge.data.blobs import BlobStore
+from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.envs.miniwob import (
     DEFAULT_TASKS,
     MiniWoBEnv,
@@ -20,6 +21,9 @@ from trajforge.envs.miniwob import (
     miniwob_queries,
     task_and_seed,
 )
+from trajforge.rollout.episode import run_episode
+from trajforge.rollout.policy import PolicyOutput
+from trajforge.schemas.records import Query
 
 pytestmark = pytest.mark.browser
 
@@ -203,3 +207,31 @@ def test_another_task_or_a_fault_loads_the_page(env, server):
     env.page.evaluate("window.loaded_before = true")
     env.reset("s", server.task_url("book-flight", 2))
     assert env.page.evaluate("window.loaded_before === undefined")
+
+
+class _ClosesThePage:
+    """A policy whose page goes away under it, as a renderer crash takes it."""
+
+    name, model_id, prompt_version = "closer", "none", "none"
+
+    def reset(self, query: Query) -> None:
+        pass
+
+    def act(self, observation: Observation, env: BrowserEnv) -> PolicyOutput:
+        env.page.close()
+        return PolicyOutput({"type": "click", "x": 10, "y": 10}, "", "")
+
+
+def test_a_page_lost_mid_episode_is_an_env_fault_episode_not_a_crashed_shard(chromium, server, tmp_path):
+    # The final state is read once more after a fault; MiniWoB's reads the page, and a closed page's Playwright
+    # error escaped run_episode and failed the whole rollout shard.
+    (query,), _ = miniwob_queries(["click-test"], [1], run_id="r", max_steps=3, chromium=chromium)
+    env = MiniWoBEnv(BrowserEnv(viewport="desktop", chromium=chromium))
+    try:
+        episode, _ = run_episode(env, _ClosesThePage(), query, run_id="r", episode_id="e",
+                                 blobs=BlobStore(tmp_path / "blobs"),
+                                 start_url=server.task_url("click-test", 1))
+    finally:
+        env.close()
+    assert episode.status == "env_fault"
+    assert episode.fault_kind == "browser_crash"
