@@ -19,6 +19,7 @@ import pytest
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs.apps import UI_EVENTS, AppServer, check_interaction, load_app
+from trajforge.envs.apps.interaction import RECORDER_PATH
 from trajforge.envs.axtree import parse
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.operations import SPACE_OPS, Operation, dump_operations, parse_operations
@@ -259,3 +260,24 @@ def test_mobile_space_gets_only_ops_it_can_express(chromium: Path, servers: dict
                                      blobs=BlobStore(tmp_path), start_url=start)
     assert episode.status == "terminated" and json.loads(steps[-1].action_json) == {"status": "failure"}
     assert "the mobile action space has no way to do right_click" in (steps[-1].thought or "")
+
+
+@pytest.mark.browser
+def test_a_pooled_env_that_ran_a_users_app_still_reports_to_a_bundled_apps_server(chromium: Path,
+                                                                                  servers: dict[str, AppServer]
+                                                                                  ) -> None:
+    # A user's app gets the recorder from the browser, with a binding that stays on the pooled context; a bundled
+    # app's episode on that env after it had its reports kept by the browser, so its server saw none and every
+    # interaction check failed.
+    server = servers["notes"]
+    start = server.base_url + server.app.spec.pages[server.app.spec.start].url
+    with BrowserEnv(viewport="desktop", chromium=chromium) as env:
+        env.reset("users-app", start, app_protocol=False)
+        env.add_recorder(RECORDER_PATH.read_text())
+        env.reset("bundled", start)
+        target = next(t for t in env.observe().targets() if t.role == "link")
+        assert env.act({"type": "click", "x": target.x, "y": target.y}) is None
+        env.observe()
+        events = env.app_state().get(UI_EVENTS) or []
+        assert [(e["op"], e["name"]) for e in events] == [("click", target.name)]
+        assert env.take_reports() == []
