@@ -80,7 +80,7 @@ from trajforge.envs.apps.interaction import (
 )
 from trajforge.envs.axtree import AXNode, parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, Observation
-from trajforge.envs.spec import AppSpec, SpecError, placeholders, spec_problems
+from trajforge.envs.spec import AppSpec, SpecError, placeholders, spec_problems, template_problems
 from trajforge.schemas.config import yaml_problem
 
 SPEC_FILE = "spec.yaml"
@@ -110,6 +110,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+SERVE_FILLS = ("port", "python")
+"""What `serve.command` and `serve.url` may hold: a free port, this interpreter."""
+RESET_FILLS = ("python",)
+"""What `reset.command` may hold."""
+
+
+def _fillable(field: str, template: str | None, names: tuple[str, ...]) -> None:
+    """Refuse a command or URL that its placeholders' filling would fail on mid-night (a lone brace, as in a JSON
+    body, or a name nothing fills), while the spec is read."""
+    if template is None:
+        return
+    try:
+        unknown = sorted(placeholders(template) - set(names))
+    except ValueError as exc:
+        raise ValueError(f"{field} {template!r}: {exc} (a literal brace is written twice: {{{{ or }}}})") from None
+    if unknown:
+        raise ValueError(f"{field} {template!r}: {{{unknown[0]}}} is filled by nothing here; it may hold "
+                         + ", ".join(f"{{{n}}}" for n in names) + " (a literal brace is written twice: {{ or }})")
+
+
 class Serve(_Strict):
     """Where the app is: a running app's `base_url`, or a `command` that starts it and the `url` it serves."""
 
@@ -125,6 +145,8 @@ class Serve(_Strict):
             raise ValueError("give either base_url (an app that is running) or command and url (one to start)")
         if self.command is not None and self.url is None:
             raise ValueError("command needs url: where the started app answers, e.g. http://127.0.0.1:{port}")
+        _fillable("command", self.command, SERVE_FILLS)
+        _fillable("url", self.url, SERVE_FILLS)
         return self
 
 
@@ -139,6 +161,7 @@ class ResetBy(_Strict):
     def _one_way(self) -> ResetBy:
         if (self.url is None) == (self.command is None):
             raise ValueError("give either url or command (or write `reset: context` for a fresh browser context only)")
+        _fillable("command", self.command, RESET_FILLS)
         return self
 
 
@@ -362,7 +385,7 @@ def load_app_dir(path: Path) -> AppDir:
     if spec is not None:
         problems += spec_problems(spec)
     functions: dict[str, CheckFunction] = {}
-    if spec is not None and extras is not None:
+    if spec is not None and extras is not None and not template_problems(spec):
         problems += _cross_problems(spec, extras)
         functions, missing = _functions(Path(path), extras.checks)
         problems += missing
@@ -622,8 +645,13 @@ def running(app: AppDir) -> Iterator[str]:
     argv = [part.format_map(fill) for part in shlex.split(serve.command)]
     # The app's output goes to a file, not a pipe: a chatty server would fill a pipe nobody reads and stall.
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the child writes to it for its whole life
-    process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    try:
+        process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)
+    except OSError as exc:  # no such program or folder
+        log.close()
+        raise AppDirError(f"app {app.name!r}: serve.command `{serve.command}` in {app.path / SPEC_FILE} cannot "
+                          f"start: {exc}") from None
     try:
         deadline = time.monotonic() + serve.ready_timeout_s
         why = answers(url, 1.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -118,41 +119,61 @@ class AppSpec(_Strict):
 
 
 def placeholders(template: str) -> set[str]:
+    """The {slot} names of a template; ValueError where it is no format string (a lone brace)."""
     return {name for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
+def _templates(spec: AppSpec) -> Iterator[tuple[str, str]]:
+    """(field, template) of every text of the spec that may hold a {slot}."""
+    for i, t in enumerate(spec.transitions):
+        for j, action in enumerate(t.actions):
+            for field in ("name", "text"):
+                if (value := getattr(action, field)) is not None:
+                    yield f"transitions[{i}].actions[{j}].{field}", value
+    for page_id, page in spec.pages.items():
+        yield f"pages.{page_id}.url", page.url
+        if page.goal:
+            yield f"pages.{page_id}.goal.instruction", page.goal.instruction
+            yield from ((f"pages.{page_id}.goal.params.{k}", v) for k, v in page.goal.params.items())
+
+
+def template_problems(spec: AppSpec) -> list[str]:
+    """The spec's templates that are no format string: every later check, and the sampler, parses them."""
+    problems = []
+    for field, template in _templates(spec):
+        try:
+            placeholders(template)
+        except ValueError as exc:
+            problems.append(f"{field}: {exc} in {template!r} (a literal brace is written twice: {{{{ or }}}})")
+    return problems
+
+
 def spec_problems(spec: AppSpec) -> list[str]:
-    """Problems a pydantic model cannot see: dangling references, cycles, unreachable goals."""
-    problems: list[str] = []
+    """Problems a pydantic model cannot see: templates that do not parse, dangling references, cycles,
+    unreachable goals."""
+    problems: list[str] = template_problems(spec)
+    if problems:
+        return problems  # the checks below read the templates' slots
     pages = set(spec.pages)
     if spec.start not in pages:
         problems.append(f"start: page {spec.start!r} does not exist")
     slots = spec.slot_values()
+    for field, template in _templates(spec):
+        problems += [f"{field}: unknown slot {{{slot}}}" for slot in sorted(placeholders(template) - slots.keys())]
     for i, t in enumerate(spec.transitions):
         for end, page_id in (("from", t.source), ("to", t.target)):
             if page_id not in pages:
                 problems.append(f"transitions[{i}].{end}: page {page_id!r} does not exist")
         for j, action in enumerate(t.actions):
-            for field in ("name", "text"):
-                for slot in placeholders(getattr(action, field) or ""):
-                    if slot not in slots:
-                        problems.append(f"transitions[{i}].actions[{j}].{field}: unknown slot {{{slot}}}")
-                    elif action.op == "set_checked" and not set(slots[slot]) <= {"on", "off"}:
-                        problems.append(f"transitions[{i}].actions[{j}].text: set_checked needs on or off, "
-                                        f"slot {{{slot}}} has {slots[slot]}")
+            for slot in placeholders(action.text or "") if action.op == "set_checked" else ():
+                if slot in slots and not set(slots[slot]) <= {"on", "off"}:
+                    problems.append(f"transitions[{i}].actions[{j}].text: set_checked needs on or off, "
+                                    f"slot {{{slot}}} has {slots[slot]}")
     if spec.start in pages and spec.pages[spec.start].goal is not None:
         problems.append(f"pages.{spec.start}.goal: the start page cannot be a goal (a task there has no step)")
     for page_id, page in spec.pages.items():
         problems += [f"pages.{page_id}.slots.{name}: no values to choose from" for name, values in page.slots.items()
                      if not values]
-        templates = {"url": page.url}
-        if page.goal:
-            templates["goal.instruction"] = page.goal.instruction
-            templates.update({f"goal.params.{k}": v for k, v in page.goal.params.items()})
-        for field, template in templates.items():
-            for slot in placeholders(template):
-                if slot not in slots:
-                    problems.append(f"pages.{page_id}.{field}: unknown slot {{{slot}}}")
     if problems:
         return problems
     g = spec.graph()

@@ -112,6 +112,13 @@ def test_a_failed_state_request_is_the_checks_reason() -> None:
     ({"checks": {"note_created": {"python": "created"}, "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
      "checks.note_created: python 'created' needs"),
     ({"reset": "sometimes"}, "reset"),
+    # A command's placeholders are filled while the night runs: one that cannot be is refused before it starts.
+    ({"serve": {"command": "{python} -m http.server {port} --bind {host}", "url": "http://127.0.0.1:{port}"}},
+     "serve: Value error, command '{python} -m http.server {port} --bind {host}': {host} is filled by nothing"),
+    ({"reset": {"command": """curl -d '{"all": true}' http://127.0.0.1:8000/reset"""}},
+     """{"all"} is filled by nothing here; it may hold {python} (a literal brace is written twice"""),
+    ({"reset": {"command": "{python} reset.py --port {port}"}},
+     "{port} is filled by nothing here; it may hold {python}"),
 ])
 def test_a_spec_mistake_is_named_with_the_file_and_field(tmp_path: Path, changes: dict[str, object],
                                                          named: str) -> None:
@@ -119,6 +126,15 @@ def test_a_spec_mistake_is_named_with_the_file_and_field(tmp_path: Path, changes
         load_app_dir(_app_dir(tmp_path, **changes))
     assert str(tmp_path / "spec.yaml") in str(err.value)
     assert named in str(err.value), str(err.value)
+
+
+def test_a_lone_brace_in_a_template_is_named_with_its_field(tmp_path: Path) -> None:
+    (tmp_path / "spec.yaml").write_text((JOTTER / "spec.yaml").read_text().replace('Pin the note "{note}"',
+                                                                                   'Pin the note "{note"'))
+    with pytest.raises(SpecError) as err:
+        load_app_dir(tmp_path)
+    assert str(tmp_path / "spec.yaml") in str(err.value)
+    assert "pages.note_pinned.goal.instruction: expected '}' before end of string" in str(err.value), str(err.value)
 
 
 def test_an_app_dir_may_not_take_a_bundled_apps_name(tmp_path: Path) -> None:
