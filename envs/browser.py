@@ -107,6 +107,22 @@ focused field differed by when they were taken (8 captures 0.27 s apart gave 2 d
 them the OCR, the response cache's keys and a rerun's answers (CI: an embedded-model rerun asked the
 model again from its second step on). Playwright's own screenshots hide it the same way; which element
 has focus stays in the accessibility tree."""
+_FIT_DEVICE_WIDTH = """(() => {
+  const fit = () => {
+    if (document.querySelector('meta[name="viewport" i]')) return;
+    const meta = document.createElement("meta");
+    meta.name = "viewport";
+    meta.content = "width=device-width, initial-scale=1";
+    (document.head || document.documentElement).appendChild(meta);
+  };
+  if (document.readyState !== "loading") fit(); else document.addEventListener("DOMContentLoaded", fit, { once: true });
+})();"""
+"""Run in every page of the mobile viewport: a page that declares no viewport is laid out at the device's width,
+as if it declared `width=device-width`. Chromium's mobile emulation lays such a page out 980 px wide and shows it
+zoomed out (a MiniWoB++ task: scale 0.42), so the screenshot was scaled while the tree's boxes, the targets, the
+input events and the boxes a secret is covered with stayed in CSS pixels: a click where the screenshot showed the
+button missed it, and a typed secret's cover missed the field. A page whose own viewport asks for a wider layout
+keeps it, and is shown zoomed out: `rollout.viewport: desktop` suits such a page."""
 _INVALID_BINDING = "__trajforgeInvalid"
 _REPORT_INVALID = f"""(() => {{
   let checking = 0;
@@ -485,6 +501,8 @@ class BrowserEnv:
         self._context.set_default_timeout(self.timeout_s * 1000)
         await self._context.add_init_script(script=_HIDE_CARET)
         await self._context.add_init_script(script=_REPORT_INVALID)
+        if VIEWPORTS[self.viewport]["is_mobile"]:
+            await self._context.add_init_script(script=_FIT_DEVICE_WIDTH)
         await self._install_recorder()
         self._page = await self._context.new_page()
         self._cdp = await self._context.new_cdp_session(self._page)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 import time
 
 import pytest
+from PIL import Image
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs.browser import BrowserEnv, Observation
@@ -235,3 +237,20 @@ def test_a_page_lost_mid_episode_is_an_env_fault_episode_not_a_crashed_shard(chr
         env.close()
     assert episode.status == "env_fault"
     assert episode.fault_kind == "browser_crash"
+
+
+def test_a_page_without_a_viewport_is_clicked_where_the_mobile_screenshot_shows_it(chromium, server):
+    # MiniWoB++ pages declare no viewport: the phone's emulation showed them zoomed out to 0.42, so the screenshot
+    # and the tree's boxes and the clicks disagreed, and a click on the drawn button missed it.
+    env = MiniWoBEnv(BrowserEnv(viewport="mobile", chromium=chromium))
+    try:
+        env.reset("s", server.task_url("click-test", 1))
+        observation = env.observe()
+        assert env.evaluate("() => visualViewport.scale") == 1
+        x, y = button_box(observation.ax_tree, "Click Me!")
+        shot = Image.open(io.BytesIO(observation.png)).convert("RGB")
+        assert shot.size == (412, 915) and shot.getpixel((x, y)) != shot.getpixel((x, 600))  # drawn where it is
+        assert env.act({"type": "click", "x": x, "y": y}) is None
+        assert check_reward({}, env.app_state())[0]
+    finally:
+        env.close()
