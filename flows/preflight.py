@@ -13,6 +13,7 @@ from trajforge.envs.kinds import configured_kinds
 from trajforge.guidance.stage import load_demonstrations
 from trajforge.llm.local import SMOLLM2, checkpoint, missing_models
 from trajforge.schemas.config import ConfigError, Settings, load_settings
+from trajforge.train.stage import check_train_tables
 
 
 def preflight(config: str | None, models: bool = True) -> Settings:
@@ -24,6 +25,7 @@ def preflight(config: str | None, models: bool = True) -> Settings:
         raise ConfigError("runner.engine: dask needs warehouse.catalog_url (a PostgreSQL catalog): the workers "
                           "record their shards in the catalog's database from other processes and machines")
     configured_kinds(settings)
+    check_train_tables(settings.loop.train_tables)
     serve = settings.loop.serve
     if serve != "local" and serve not in settings.llm.endpoints:
         raise ConfigError(f"loop.serve: {serve!r} is neither 'local' nor an llm endpoint "

@@ -21,7 +21,7 @@ from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ConfigError, LocalModelSettings, load_settings
 from trajforge.synth.handoff import SFT_TABLES
 from trajforge.tasks.runner import commit, plan, run_shard
-from trajforge.train.stage import folder_hash
+from trajforge.train.stage import base_folder, folder_hash
 
 pytestmark = pytest.mark.browser
 
@@ -132,6 +132,25 @@ def test_the_trainer_command_is_checked_when_the_config_loads(tmp_path):
     path.write_text("loop:\n  trainer: 'swift sft --dataset {dataset} --output_dir {out}'\n")
     with pytest.raises(ConfigError, match=r"loop.trainer.*unknown \['dataset'\]"):
         load_settings(path)
+
+
+def test_a_train_table_that_is_no_sft_table_stops_the_night_before_any_work(tmp_path, trajforge_cli):
+    # It was caught by the train stage only, the night's last, after 20-30 minutes of work, and with exit 1.
+    (tmp_path / "trajforge.yaml").write_text("loop:\n  train: true\n  train_tables: [train_e2ee]\n")
+    proc = subprocess.run([trajforge_cli, "run", "nightly"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "loop.train_tables: ['train_e2ee'] are not SFT tables" in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_relative_model_folder_reaches_the_trainer_as_an_absolute_one(tmp_path, monkeypatch):
+    # The trainer runs in its export folder: `llm.local.model: models/policy` handed on as it was written named a
+    # folder that is not there, after a night whose rollouts had found it.
+    (tmp_path / "models" / "policy").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAJFORGE_LLM__LOCAL__MODEL", "models/policy")
+    assert base_folder(Workspace.open(load_settings(None)), "local") == str(tmp_path / "models" / "policy")
 
 
 def test_a_train_stage_that_died_after_its_commit_finishes_on_rerun_without_training_again(trained, monkeypatch):

@@ -80,13 +80,19 @@ def trained_on(versions: dict[str, int]) -> list[str]:
     return [f"{t}@{v}" for t, v in sorted(versions.items())]
 
 
+def check_train_tables(asked: list[str]) -> None:
+    """ConfigError for a name in `loop.train_tables` that is no SFT table: checked by the preflight too, so a
+    typo stops the night before its first stage rather than at its last."""
+    unknown = sorted(set(asked) - SFT_TABLES)
+    if unknown:
+        raise ConfigError(f"loop.train_tables: {unknown} are not SFT tables; they are {', '.join(sorted(SFT_TABLES))}")
+
+
 def night_tables(ws: Workspace, snapshot: int | None) -> tuple[dict[str, int], Counter[str]]:
     """The SFT table versions with rows that the run behind `train_e2e@snapshot` (None: latest) wrote, limited
     to `loop.train_tables` when given; and what was left out, counted."""
     asked = ws.settings.loop.train_tables
-    unknown = sorted(set(asked) - SFT_TABLES)
-    if unknown:
-        raise ConfigError(f"loop.train_tables: {unknown} are not SFT tables; they are {', '.join(sorted(SFT_TABLES))}")
+    check_train_tables(asked)
     snapshot = ws.catalog.version("train_e2e", snapshot)
     lineage = ws.catalog.lineage("train_e2e", snapshot)
     if lineage is None:
@@ -126,7 +132,9 @@ def base_folder(ws: Workspace, name: str) -> str:
     checkpoint folder, or an endpoint's model name (the user's trainer knows where its weights are)."""
     if name == "local":
         local = ws.settings.llm.local
-        return str(smollm2_folder(local.cache_dir) if local.model == SMOLLM2 else Path(local.model).expanduser())
+        # Absolute: the trainer runs in its export folder, where a path relative to the user's folder means nothing.
+        folder = smollm2_folder(local.cache_dir) if local.model == SMOLLM2 else Path(local.model).expanduser()
+        return str(folder.resolve())
     return ws.gateway.backend(name).model_id
 
 
