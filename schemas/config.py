@@ -259,6 +259,14 @@ class CriticSettings(_Section):
     concurrency: int = Field(default=4, gt=0, description="Episodes judged at once (requests to endpoints overlap).")
     episodes_per_shard: int = Field(default=50, gt=0, description="Episodes judged per resumable unit of work.")
 
+    @model_validator(mode="after")
+    def _k_can_be_reached(self) -> CriticSettings:
+        asked = ["checker"] + ["text"] * self.text_channel + ["multimodal"] * bool(self.multimodal_model)
+        if self.consensus == "k_of_n" and self.k > len(asked):
+            raise ValueError(f"critics.k: {self.k} channels must say success, but {len(asked)} are asked "
+                             f"({', '.join(asked)}), so every verdict would be a failure")
+        return self
+
 
 class RunnerSettings(_Section):
     """Where a stage's shards run. The engine changes no row: a stage's config hash does not include it."""

@@ -61,6 +61,17 @@ def test_an_unknown_time_zone_is_refused_when_the_config_loads(tmp_path):
     assert load_settings(cfg).schedule.timezone == "Europe/Berlin"
 
 
+def test_a_k_of_n_consensus_that_no_verdict_can_reach_is_refused(tmp_path):
+    # Three channels at most: k 4 made every verdict a failure and train_e2e empty, with no error.
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("critics:\n  consensus: k_of_n\n  k: 3\n")
+    with pytest.raises(ConfigError, match=r"field 'critics': Value error, critics.k: 3 channels must say success, "
+                                          r"but 2 are asked \(checker, text\)"):
+        load_settings(cfg)
+    cfg.write_text("critics:\n  consensus: k_of_n\n  k: 3\n  multimodal_model: vl\n")
+    assert load_settings(cfg).critics.k == 3
+
+
 def test_invalid_environment_value_names_variable(monkeypatch):
     monkeypatch.setenv("TRAJFORGE_ROLLOUT__VIEWPORT", "tablet")
     with pytest.raises(ConfigError, match="TRAJFORGE_ROLLOUT__VIEWPORT"):
