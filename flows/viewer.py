@@ -71,8 +71,9 @@ def build_viewer(ws: Workspace, target: str | None = None, out: Path | None = No
     (out / "img").mkdir(parents=True, exist_ok=True)
     ids = [e.episode_id for e in episodes]
     steps = _rows(ws, "steps", ids)
-    critiques = _rows(ws, "step_critiques", ids)
-    verdicts = {v["episode_id"]: Verdict.model_validate(v) for v in _rows(ws, "verdicts", ids)}
+    # The critics judge again on a rerun and their tables keep every judgement: the newest of each is shown.
+    critiques = _rows(ws, "step_critiques", ids, newest=["step_id", "critic"])
+    verdicts = {v["episode_id"]: Verdict.model_validate(v) for v in _rows(ws, "verdicts", ids, newest="episode_id")}
     guidance_ids = [e.guidance_id for e in episodes if e.guidance_id]
     guidance = {g["guidance_id"]: Guidance.model_validate(g) for g in _rows(ws, "guidance", guidance_ids, "guidance_id")}
     views = [_episode_view(ws, e, steps, critiques, verdicts.get(e.episode_id), guidance, out) for e in episodes]
@@ -113,9 +114,14 @@ def _episodes(ws: Workspace, target: str) -> list[Episode]:
     return [Episode.model_validate(r) for r in rows.sort("started_at", "episode_id").to_dicts()]
 
 
-def _rows(ws: Workspace, table: str, ids: list[str], column: str = "episode_id") -> list[dict[str, Any]]:
+def _rows(ws: Workspace, table: str, ids: list[str], column: str = "episode_id",
+          newest: str | list[str] | None = None) -> list[dict[str, Any]]:
+    """The latest version's rows whose `column` is one of `ids`; with `newest`, only the last run's row of each
+    such key (`Catalog.newest`)."""
     if table not in ws.catalog.tables() or not ids:
         return []
+    if newest is not None:
+        return ws.catalog.newest(table, newest, where=pl.col(column).is_in(ids)).to_dicts()
     return ws.catalog.scan(table).filter(pl.col(column).is_in(ids)).collect().to_dicts()
 
 

@@ -188,3 +188,31 @@ def test_an_unknown_target_says_what_is_accepted_and_writes_nothing(night, tmp_p
     with pytest.raises(ViewError, match=rf"no run or episode 'nope'.*run id.*{run_id}.*episode id"):
         build_viewer(ws, "nope", tmp_path / "site")
     assert not (tmp_path / "site").exists()
+
+
+def test_after_the_critics_judge_again_the_newest_judgement_is_shown(night, tmp_path):
+    # The verdicts and critiques tables keep every run's judgement, and a scan reads the newest commit first:
+    # the site showed the first verdict and listed every run's critiques of a step.
+    ws, run_id = night
+    episode_id = ws.catalog.load("episodes").filter(pl.col("run_id") == run_id).sort("episode_id")["episode_id"][0]
+    mine = workspace(tmp_path / "judged-twice")
+    for judge in ("first-judge", "second-judge"):
+        tables = ("episodes", "steps", "step_critiques", "verdicts") if judge == "first-judge" else (
+            "step_critiques", "verdicts")
+        for table in tables:
+            rows = ws.catalog.load(table).filter(pl.col("episode_id") == episode_id).to_dicts()
+            for row in rows:
+                row["run_id"] = judge
+                if table == "verdicts":
+                    row.update(verdict_id=f"{judge}-v", reason=f"{judge} says so")
+                if table == "step_critiques":
+                    row.update(critique_id=f"{judge}-{row['critique_id']}", summary=f"{judge} looked")
+                for shot in ("screenshot_before", "screenshot_after"):
+                    if shot in row:
+                        mine.blobs.put(ws.blobs.get(row[shot]))
+            mine.catalog.commit_rows(table, rows, Lineage(stage="test", run_id=judge, commit_key=f"{judge}-{table}",
+                                                          config_hash="x", code_version="x"))
+    index = build_viewer(mine, episode_id, tmp_path / "site")
+    page = next(p for p in index.parent.glob("episode-*.html")).read_text()
+    assert "second-judge says so" in page and "first-judge" not in page
+    assert page.count("second-judge looked") == mine.catalog.load("steps").height
