@@ -38,9 +38,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 # Android key codes for the mobile space's system buttons and common keys.
-KEYCODES: dict[str, int] = {
+KEYCODES: dict[str, int] = {  # by the browser's key names (`actions.key_name`): the space bar is " "
     "Home": 3, "Back": 4, "Menu": 82, "Enter": 66, "Backspace": 67, "Delete": 112, "Tab": 61,
-    "Escape": 111, "Space": 62, "ArrowUp": 19, "ArrowDown": 20, "ArrowLeft": 21, "ArrowRight": 22,
+    "Escape": 111, " ": 62, "ArrowUp": 19, "ArrowDown": 20, "ArrowLeft": 21, "ArrowRight": 22,
     "PageUp": 92, "PageDown": 93, "AppSwitch": 187, "Power": 26, "VolumeUp": 24, "VolumeDown": 25,
 }
 _BOUNDS = re.compile(r"\[(-?\d+),(-?\d+)\]\[(-?\d+),(-?\d+)\]")
@@ -142,6 +142,7 @@ class AndroidEnv:
         return proc.stdout if binary else proc.stdout.decode(errors="replace")
 
     def screen_size(self) -> tuple[int, int]:
+        """The last screenshot's size; before one, `wm size`."""
         if self._size is None:
             m = _SIZE.findall(self._run("shell", "wm", "size"))
             if not m:
@@ -167,6 +168,9 @@ class AndroidEnv:
         if not png.startswith(b"\x89PNG"):
             raise EnvFault("screencap returned no PNG (is the screen on and the device unlocked?)", "other")
         width, height = png_size(png)
+        # The screen as it is now: `wm size` gives the natural (portrait) size whatever the rotation, and `input`
+        # takes points of the rotated screen, as the screenshot shows it.
+        self._size = (width, height)
         self._run("shell", "uiautomator", "dump", _DUMP)
         self._nodes = parse_hierarchy(self._run("shell", "cat", _DUMP))
         activity = self.current_activity()
@@ -230,7 +234,9 @@ class AndroidEnv:
         """The foreground activity and every probe's output: what a task checker reads."""
         state: dict[str, Any] = {"activity": self.current_activity()}
         for name, command in self.probes.items():
-            state[name] = self._run("shell", *shlex.split(command)).strip()
+            # One argument: adb joins its arguments with spaces for the device's shell, which parses them again, so
+            # a probe's own quoting ("name='screen_brightness'") reaches that shell only as written.
+            state[name] = self._run("shell", command).strip()
         return state
 
     def fault(self, exc: BaseException, what: str = "") -> EnvFault:

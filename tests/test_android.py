@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from trajforge.envs.android import AndroidEnv, parse_hierarchy
 from trajforge.envs.browser import EnvFault
@@ -68,6 +69,7 @@ def test_element_at_resolves_the_smallest_node(device):
         ({"type": "system_button", "button": "Home"}, "shell input keyevent 3"),
         ({"type": "key", "key": "Enter"}, "shell input keyevent 66"),
         ({"type": "key", "key": "b"}, "shell input keyevent 30"),
+        ({"type": "key", "key": "space"}, "shell input keyevent 62"),
         ({"type": "open", "text": "Settings"},
          "shell monkey -p com.android.settings -c android.intent.category.LAUNCHER 1"),
     ],
@@ -106,6 +108,22 @@ def test_reset_clears_and_launches_the_app(device):
 def test_app_state_reads_activity_and_probes(device):
     env, _ = device
     assert env.app_state() == {"activity": "com.android.settings/com.android.settings.Settings", "wifi_on": "1"}
+    # A probe's quotes reach the device's shell: split here and joined by adb, `--where name=screen_brightness`
+    # was a query the device refused.
+    env.probes = {"brightness": "content query --uri content://settings/system --where \"name='screen_brightness'\""}
+    assert env.app_state()["brightness"] == "Row: 0 name=screen_brightness, value=102"
+
+
+def test_a_rotated_screen_takes_points_of_its_screenshot(device, tmp_path, monkeypatch):
+    # `wm size` says 720x1280 in landscape too; the screenshot is 1280x720, and a tap at x 1000 is on it.
+    env, log = device
+    Image.new("RGB", (1280, 720)).save(tmp_path / "landscape.png")
+    monkeypatch.setenv("FAKE_ADB_SCREENCAP", str(tmp_path / "landscape.png"))
+    obs = env.observe()
+    assert (obs.width, obs.height) == (1280, 720)
+    assert env.act({"type": "click", "x": 1000, "y": 300}) is None
+    assert commands(log)[-1] == "shell input tap 1000 300"
+    assert env.act({"type": "click", "x": 300, "y": 1000}) == "click: point (x=300, y=1000) is off the 1280x720 screen"
 
 
 def test_offline_device_is_an_environment_fault(device, monkeypatch):
