@@ -132,7 +132,8 @@ def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gatewa
     """The configured policy for one app's queries (`spec`: its page graph, if it has one); model-driven ones
     need the gateway.
 
-    `guidance` (query id -> text) goes into the end-to-end policy's prompt; the other policies do not read it.
+    `guidance` (query id -> text) goes into the end-to-end policy's prompt and Mobile-Agent-v3's Manager's; the
+    replay and random policies do not read it.
     """
     if settings.policy == "replay":
         assert spec is not None, "replay needs the app's page graph"
@@ -142,7 +143,8 @@ def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gatewa
     if gateway is None:
         raise ValueError(f"policy {settings.policy!r} asks a model: the rollout needs a gateway")
     if settings.policy == "mobile_agent_v3":
-        return MobileAgentPolicy(gateway, viewport=settings.viewport, model=settings.model, draw=draw)
+        return MobileAgentPolicy(gateway, viewport=settings.viewport, model=settings.model, guidance=guidance,
+                                 draw=draw)
     return GuiOwlPolicy(gateway, viewport=settings.viewport, model=settings.model,
                         history_images=settings.history_images, guidance=guidance, draw=draw,
                         click_targets=settings.click_targets)

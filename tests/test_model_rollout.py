@@ -135,13 +135,17 @@ def test_mobile_agent_records_every_role_per_step(tmp_path, embedded, chromium, 
     )
     ws = Workspace.open(settings)
     query = make_query(shop.spec, "cart", query_id="q-roles").model_copy(update={"max_steps": 2})
-    out = rollout([query.model_dump()], run_id="r", settings=settings.rollout, blobs=ws.blobs, gateway=ws.gateway)
+    # A guided query, as the loop's second night rolls a hard one: the Manager plans with the guidance (the episode
+    # used to name it while no role's prompt had it).
+    out = rollout([query.model_dump()], run_id="r", settings=settings.rollout, blobs=ws.blobs, gateway=ws.gateway,
+                  guidance={"q-roles": ("g-1", "Open the cart from the menu.")})
     (episode,) = out.rows["episodes"]
-    assert episode.policy == "mobile_agent_v3" and episode.model_id == SMOLLM2_ID
+    assert episode.policy == "mobile_agent_v3" and episode.model_id == SMOLLM2_ID and episode.guidance_id == "g-1"
     steps = out.rows["steps"]
     first = json.loads(steps[0].roles_json)
     assert set(first) >= {"manager"}
     assert first["manager"]["inputs"]["last_action"] == ""  # the initial plan
+    assert first["manager"]["inputs"]["guidance"] == "Open the cart from the menu."
     for role in first.values():
         assert role["raw_output"] and ("output" in role and "parse_error" in role)
     if len(steps) > 1:
