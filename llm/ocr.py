@@ -60,6 +60,16 @@ ocr_results = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
 )
 
+ocr_screens = sa.Table(
+    "trajforge_ocr_screens",
+    _meta,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("sha256", sa.String(64), nullable=False, index=True),
+)
+"""The screen each reading read against earlier screens (`OcrSeries`) is of: such a reading's key names its chain
+of screens, not the screen, and `OcrReader.forget` finds it here. A table of its own, so that a database made
+before it gets it from `create_all`, with no change to `trajforge_ocr`."""
+
 
 class OcrBackendMissing(ImportError):
     """The configured OCR backend (or its model files) is not installed; the message says how to install it."""
@@ -144,6 +154,19 @@ def _rapid_id() -> str:
         return f"rapidocr-{version('rapidocr')}/det-max-1280-no-cls-rec1"
     except PackageNotFoundError:
         raise OcrBackendMissing(f"OCR backend rapidocr is not installed: {INSTALL}") from None
+
+
+def _paddle_id(det_dir: Path | None, rec_dir: Path | None) -> str:
+    """paddleocr's engine id: its version and its model folders' names (read without loading them)."""
+    if det_dir is None or rec_dir is None or not Path(det_dir).is_dir() or not Path(rec_dir).is_dir():
+        raise OcrBackendMissing(
+            "OCR backend paddleocr needs its model folders: set synth.paddle_det_dir and synth.paddle_rec_dir "
+            f"to PP-OCR detection and recognition model directories (got {det_dir}, {rec_dir})"
+        )
+    try:
+        return f"paddleocr-{version('paddleocr')}:{Path(det_dir).name}:{Path(rec_dir).name}"
+    except PackageNotFoundError:
+        raise OcrBackendMissing("OCR backend paddleocr is not installed: pip install paddleocr paddlepaddle") from None
 
 
 class LineMemo:
@@ -253,7 +276,6 @@ class _Rapid:
         # replaced by OpenVINO's and the memo put in front of the recogniser
         self.engine._load_det_model().session = _OpenVinoDetector(detector)
         self.engine.text_rec = _RememberingRecognizer(self.engine._load_rec_model(), memo)
-        self.id = _rapid_id()
 
     def __call__(self, rgb: np.ndarray) -> list[OcrLine]:
         result = self.engine(np.ascontiguousarray(rgb[..., ::-1]), return_word_box=True, return_single_char_box=True)
@@ -272,20 +294,15 @@ class _Paddle:
     """PaddleOCR on local model folders (it cannot download its models on a closed network)."""
 
     def __init__(self, det_dir: Path | None, rec_dir: Path | None) -> None:
+        _paddle_id(det_dir, rec_dir)  # says what is missing before anything loads
         try:
             from paddleocr import PaddleOCR
         except ImportError as exc:
             raise OcrBackendMissing(
                 f"OCR backend paddleocr is not installed ({exc}): pip install paddleocr paddlepaddle"
             ) from exc
-        if det_dir is None or rec_dir is None or not Path(det_dir).is_dir() or not Path(rec_dir).is_dir():
-            raise OcrBackendMissing(
-                "OCR backend paddleocr needs its model folders: set synth.paddle_det_dir and synth.paddle_rec_dir "
-                f"to PP-OCR detection and recognition model directories (got {det_dir}, {rec_dir})"
-            )
         self.engine = PaddleOCR(text_detection_model_dir=str(det_dir), text_recognition_model_dir=str(rec_dir),
                                 return_word_box=True)
-        self.id = f"paddleocr-{version('paddleocr')}:{Path(det_dir).name}:{Path(rec_dir).name}"
 
     def __call__(self, rgb: np.ndarray) -> list[OcrLine]:
         lines = []
@@ -336,7 +353,8 @@ class OcrReader:
         self._made = 0
         self._making = threading.Lock()
         self._lock = threading.Lock()  # the LRU below and the counters, shared by the threads that read
-        self._memory: OrderedDict[tuple[str, str], tuple[OcrLine, ...]] = OrderedDict()
+        self._memory: OrderedDict[tuple[str, str], tuple[str, tuple[OcrLine, ...]]] = OrderedDict()
+        """(key, engine id) -> (the screen's sha256, its lines)."""
         self._memory_size = memory
         self._db = sa.create_engine(db_url) if db_url else None
         if self._db is not None:
@@ -351,11 +369,13 @@ class OcrReader:
     @contextmanager
     def _engine(self) -> Iterator[_Rapid | _Paddle]:
         """An engine for this thread alone while it reads (an ONNX session is used by one thread at a time):
-        an idle one, a new one while there are fewer than cores, else the next one given back."""
+        an idle one, a new one while there are fewer than cores, else the next one given back. Only an engine
+        built counts: one that fails to build raises here, for this caller and the next that would build, and
+        never leaves a caller waiting for an engine that does not exist."""
         with self._making:
             if self._engines.empty() and self._made < (os.cpu_count() or 1):
-                self._made += 1
                 made = _Paddle(*self._paddle_dirs) if self.backend == "paddleocr" else _Rapid(self.line_memo)
+                self._made += 1
                 self._engines.put(made)
         engine = self._engines.get()
         try:
@@ -366,11 +386,11 @@ class OcrReader:
     @functools.cached_property
     def engine_id(self) -> str:
         """Names the OCR that reads an image whole; part of the cache keys of OCR results and of OCR'd model
-        calls."""
-        if self.backend == "rapidocr":
-            return _rapid_id()
-        with self._engine() as engine:
-            return engine.id
+        calls. Read from the settings, never from an engine: the gateway asks on its event loop, which must not
+        wait for an engine to load or for a busy one."""
+        if self.backend == "paddleocr":
+            return _paddle_id(*self._paddle_dirs)
+        return _rapid_id()
 
     def series(self, incremental: bool) -> OcrSeries:
         """A reader of screens one after another (`OcrSeries`); without `incremental`, each is read whole."""
@@ -383,14 +403,14 @@ class OcrReader:
     def _whole(self, sha: str, pixels: Callable[[], np.ndarray]) -> tuple[OcrLine, ...]:
         """The whole reading of the image with this sha256; `pixels` decodes it, called on a miss only."""
         engine_id = self.engine_id
-        lines = self._known(sha, engine_id)
+        lines = self._known(sha, engine_id, sha)
         if lines is None:
             with self._engine() as engine:
-                lines = self._known(sha, engine_id)  # another thread may have read it meanwhile
+                lines = self._known(sha, engine_id, sha)  # another thread may have read it meanwhile
                 if lines is None:
                     lines = tuple(engine(pixels()))
                     self._count(region=False)
-                    self._keep(sha, engine_id, lines)
+                    self._keep(sha, engine_id, sha, lines)
         return lines
 
     def _count(self, region: bool) -> None:
@@ -399,59 +419,67 @@ class OcrReader:
             self.engine_runs += 1
             self.region_reads += region
 
-    def _known(self, sha: str, engine_id: str) -> tuple[OcrLine, ...] | None:
-        """A reading in memory or, failing that, in the database (then kept in memory)."""
+    def _known(self, key: str, engine_id: str, screen: str) -> tuple[OcrLine, ...] | None:
+        """A reading in memory or, failing that, in the database (then kept in memory). `key` is the screen's
+        sha256 for a whole reading, its chain's for an incremental one (`OcrSeries`)."""
         with self._lock:
-            if (hit := self._memory.get((sha, engine_id))) is not None:
-                self._memory.move_to_end((sha, engine_id))
-                return hit
+            if (hit := self._memory.get((key, engine_id))) is not None:
+                self._memory.move_to_end((key, engine_id))
+                return hit[1]
         if self._db is None:
             return None
         with self._db.connect() as conn:
             row = conn.execute(sa.select(ocr_results.c.lines_json).where(
-                ocr_results.c.sha256 == sha, ocr_results.c.engine == engine_id)).first()
+                ocr_results.c.sha256 == key, ocr_results.c.engine == engine_id)).first()
         if row is None:
             return None
         lines = _decode(row.lines_json)
-        self._remember(sha, engine_id, lines)
+        self._remember(key, engine_id, screen, lines)
         return lines
 
-    def _remember(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
+    def _remember(self, key: str, engine_id: str, screen: str, lines: tuple[OcrLine, ...]) -> None:
         with self._lock:
-            self._memory[(sha, engine_id)] = lines
+            self._memory[(key, engine_id)] = (screen, lines)
             if len(self._memory) > self._memory_size:
                 self._memory.popitem(last=False)
 
-    def _keep(self, sha: str, engine_id: str, lines: tuple[OcrLine, ...]) -> None:
-        """A new reading, in memory and in the database."""
-        self._remember(sha, engine_id, lines)
+    def _keep(self, key: str, engine_id: str, screen: str, lines: tuple[OcrLine, ...]) -> None:
+        """A new reading of the screen whose sha256 is `screen`, in memory and in the database."""
+        self._remember(key, engine_id, screen, lines)
         if self._db is None:
             return
-        row = dict(sha256=sha, engine=engine_id, lines_json=json.dumps([asdict(line) for line in lines]),
-                   created_at=datetime.now(timezone.utc))
-        try:
-            with self._db.begin() as conn:
-                conn.execute(ocr_results.insert().values(**row))
-        except sa.exc.IntegrityError:  # another process stored the same image first: same answer
-            pass
+        reading = dict(sha256=key, engine=engine_id, lines_json=json.dumps([asdict(line) for line in lines]),
+                       created_at=datetime.now(timezone.utc))
+        rows = [] if key == screen else [(ocr_screens, dict(key=key, sha256=screen))]
+        rows.append((ocr_results, reading))
+        for table, row in rows:  # the screen first: `forget` never meets a reading it cannot place
+            try:
+                with self._db.begin() as conn:
+                    conn.execute(table.insert().values(**row))
+            except sa.exc.IntegrityError:  # another process (or engine) stored it first: the same row
+                pass
 
     def forget(self, shas: Collection[str], *, dry_run: bool = False) -> int:
-        """Drop the readings of these screenshots (every engine's), as `datasets expire` removes their blobs;
-        returns how many database rows went (or, with `dry_run`, would go)."""
+        """Drop the readings of these screenshots (every engine's, whole and incremental), as `datasets expire`
+        removes their blobs; returns how many readings went from the database (or, with `dry_run`, would go)."""
         if not dry_run:
             with self._lock:
-                for key in [k for k in self._memory if k[0] in shas]:
+                for key in [k for k, (screen, _) in self._memory.items() if screen in shas]:
                     del self._memory[key]
         if self._db is None or not shas:
             return 0
         ordered, count = sorted(shas), 0
         with self._db.begin() as conn:
             for i in range(0, len(ordered), 500):  # under every database's limit of bound parameters
-                chunk = ocr_results.c.sha256.in_(ordered[i:i + 500])
+                chunk = ordered[i:i + 500]
+                incremental = sa.select(ocr_screens.c.key).where(ocr_screens.c.sha256.in_(chunk))
+                readings = ocr_results.c.sha256.in_(chunk) | ocr_results.c.sha256.in_(incremental)
                 if dry_run:
-                    count += conn.execute(sa.select(sa.func.count()).select_from(ocr_results).where(chunk)).scalar_one()
+                    count += conn.execute(sa.select(sa.func.count()).select_from(ocr_results).where(readings)
+                                          ).scalar_one()
                 else:
-                    count += conn.execute(ocr_results.delete().where(chunk)).rowcount
+                    count += conn.execute(ocr_results.delete().where(readings)).rowcount
+                    conn.execute(ocr_screens.delete().where(ocr_screens.c.sha256.in_(chunk)))
         return count
 
     def lines(self, png: bytes) -> tuple[str, ...]:
@@ -518,14 +546,14 @@ class OcrSeries:
         else:
             kept, rects, base_key = base
             key = hashlib.sha256(f"{sha}<{base_key}".encode()).hexdigest()
-            lines = reader._known(key, self.engine_id)
+            lines = reader._known(key, self.engine_id, sha)
             if lines is None:
                 with reader._engine() as engine:
                     read = [line for x0, y0, x1, y1 in rects
                             for line in shifted(engine(rgb[y0:y1, x0:x1]), x0, y0)]
                     reader._count(region=True)
                 lines = reading_order([*kept, *read])
-                reader._keep(key, self.engine_id, lines)
+                reader._keep(key, self.engine_id, sha, lines)
         self._bases.append((rgb, lines, key))
         return lines
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import threading
 
 import numpy as np
 import pytest
+import sqlalchemy as sa
 from PIL import Image, ImageDraw, ImageFont
 
+from trajforge.llm import ocr
 from trajforge.llm.ocr import OcrBackendMissing, OcrLine, OcrReader, reader_for
 from trajforge.llm.ocr_diff import PAD, TILE, changed_tiles, regions
 from trajforge.schemas.config import Settings, SynthSettings
@@ -114,6 +118,28 @@ def test_a_forgotten_screen_is_read_again_and_the_others_are_not(tmp_path):
     assert later.engine_runs == 0  # the second reading of the forgotten screen was kept again
 
 
+def test_a_forgotten_screen_takes_its_readings_against_earlier_screens_with_it(tmp_path):
+    """`datasets expire` after nights with `synth.ocr_incremental`: a screen read where it changed from the one
+    before leaves none of its text behind (it may be private), on a database made before such readings could be
+    found, and the earlier screen's reading stays."""
+    db = sa.create_engine(f"sqlite:///{tmp_path / 'c.db'}")
+    ocr.ocr_results.create(db)  # the database as an older version left it
+    kept, _ = page([("Send message now", (10, 10)), ("Inbox 42", (10, 80))])
+    gone, _ = page([("Send message now", (10, 10)), ("Inbox 57", (10, 80))])
+    reader = OcrReader(db_url=str(db.url))
+    series = reader.series(incremental=True)
+    series.read(kept), series.read(gone)
+    assert reader.region_reads == 1
+    sha = hashlib.sha256(gone).hexdigest()
+    assert reader.forget({sha}, dry_run=True) == 1
+    assert reader.forget({sha}) == 1
+    with db.connect() as conn:
+        assert conn.execute(sa.select(ocr.ocr_results.c.sha256)).scalars().all() == [hashlib.sha256(kept).hexdigest()]
+    again = reader.series(incremental=True)
+    again.read(kept), again.read(gone)
+    assert (reader.engine_runs, reader.region_reads) == (3, 2), "the forgotten screen read again, the kept one not"
+
+
 def test_one_reader_per_warehouse_in_a_process(tmp_path):
     url = f"sqlite:///{tmp_path / 'c.db'}"
     assert reader_for(SynthSettings(), url) is reader_for(None, url)
@@ -139,6 +165,44 @@ def test_a_missing_backend_names_the_install_command(tmp_path):
     png, _ = page([("x", (0, 0))])
     with pytest.raises(OcrBackendMissing, match="pip install paddleocr paddlepaddle|synth.paddle_det_dir"):
         reader.read(png)
+
+
+def test_an_engine_that_cannot_be_built_fails_every_read_and_leaves_none_waiting(monkeypatch):
+    """A missing piece (openvino, a model folder) fails each read that would build an engine, however many reads
+    failed before: a read after as many failures as there are cores must not wait for an engine never built."""
+    class Unbuildable:
+        def __init__(self, memo: object) -> None:
+            raise OcrBackendMissing("OCR backend rapidocr needs openvino")
+
+    monkeypatch.setattr(ocr, "_Rapid", Unbuildable)
+    reader, (png, _) = OcrReader(), page([("Checkout", (20, 20))])
+    reads = (os.cpu_count() or 1) + 2
+    failed: list[OcrBackendMissing] = []
+
+    def read_all() -> None:
+        for _ in range(reads):
+            with pytest.raises(OcrBackendMissing, match="needs openvino") as err:
+                reader.read(png)
+            failed.append(err.value)
+
+    thread = threading.Thread(target=read_all, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), f"read {len(failed) + 1} waits for an engine that was never built"
+    assert len(failed) == reads
+
+
+def test_paddleocr_is_named_without_loading_an_engine(tmp_path, monkeypatch):
+    """The gateway names the OCR in a call's cache key on its event loop, which must not wait for an engine to
+    load (seconds) or for a busy one to be given back."""
+    def loaded(*dirs: object) -> None:
+        raise AssertionError("an engine was loaded to name it")
+
+    monkeypatch.setattr(ocr, "_Paddle", loaded)
+    monkeypatch.setattr(ocr, "version", lambda package: {"paddleocr": "3.1.0"}[package])
+    (tmp_path / "det").mkdir(), (tmp_path / "rec").mkdir()
+    reader = OcrReader("paddleocr", paddle_det_dir=tmp_path / "det", paddle_rec_dir=tmp_path / "rec")
+    assert reader.engine_id == "paddleocr-3.1.0:det:rec"
 
 
 def test_a_screen_that_changed_in_one_place_is_read_there_only():
