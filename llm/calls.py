@@ -86,8 +86,16 @@ class ChatResult(Generic[T]):
 
     @property
     def record(self) -> CallRecord:
-        """The call whose answer this is (the re-ask, if there was one)."""
-        return self.calls[-1]
+        """The call whose answer this is: the re-ask, if there was one and it got an answer."""
+        return next(call for call in reversed(self.calls) if call.error is None)
+
+
+class BackendError(Exception):
+    """A request that got no usable answer from a backend; `attempts` counts the tries made."""
+
+    def __init__(self, message: str, attempts: int) -> None:
+        super().__init__(message)
+        self.attempts = attempts
 
 
 class GatewayError(Exception):

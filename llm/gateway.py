@@ -33,11 +33,11 @@ from trajforge.data.blobs import BlobCorrupted, BlobMissing, BlobStore
 from trajforge.data.catalog import Catalog
 from trajforge.llm import ocr
 from trajforge.llm.cache import ResponseCache, cache_key
-from trajforge.llm.calls import CallRecord, ChatResult, Completion, GatewayError, Sampling
+from trajforge.llm.calls import BackendError, CallRecord, ChatResult, Completion, GatewayError, Sampling
 from trajforge.llm.local import LocalBackend
 from trajforge.llm.messages import ImagePart, Message, TextPart
 from trajforge.llm.prompts import RenderedPrompt, load_prompt
-from trajforge.llm.remote import BackendError, OpenAIBackend
+from trajforge.llm.remote import OpenAIBackend
 from trajforge.llm.structured import Constraint, ParseError, parse
 from trajforge.schemas.config import EndpointSettings, LLMSettings, Settings
 
@@ -56,10 +56,18 @@ class GatewayStats:
     errors: int = 0
     reasks: int = 0
     parse_failures: int = 0
-    tokens_in: int = 0
+    tokens_in: int = 0  # spent: answers the cache gave are not counted again
     tokens_out: int = 0
     models: dict[str, str] = field(default_factory=dict)  # name -> model id, for Lineage.models
     prompts: dict[str, str] = field(default_factory=dict)  # template -> version, for Lineage.prompts
+
+
+def _finished(answer: Completion) -> bool:
+    """Whether asking again would give this answer, so the cache may keep it: the model stopped, or reached
+    max_tokens (the same again under the same sampling). An answer the server aborted, failed or filtered may
+    differ next time and is not kept forever. An empty answer that stopped is kept: the embedded model's greedy
+    decoding gives it again, and a rerun with nothing new asks no model."""
+    return answer.finish_reason in ("stop", "length")
 
 
 def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:
@@ -150,7 +158,8 @@ class Gateway:
         to `json_schema` when given (tighter than the pydantic model, e.g. one action's arguments per
         action type), else to `schema`'s own JSON schema. Raises GatewayError when no answer came back
         after the endpoint's retries; an answer that does not parse is not an error: the result keeps
-        the raw text and `parse_error`. `reask=False` keeps the first answer even when it does not parse
+        the raw text and `parse_error`, also when its re-ask gets no answer (whose record then ends `calls`,
+        its `error` saying why). `reask=False` keeps the first answer even when it does not parse
         (a sample whose format is itself scored, as CES rewards it, must not be repaired).
         """
         name = model or self.settings.default
@@ -179,13 +188,17 @@ class Gateway:
                 Message(role="assistant", content=[TextPart(text=record.text)]),
                 *follow.messages,
             ]
-            record = await self._call(name, prompt, messages, sampling, constraint, reask=True)
-            parsed, error = self._parse(record, prompt, schema, sampling)
-            calls.append(record.model_copy(update={"parse_error": error}))
+            try:
+                record = await self._call(name, prompt, messages, sampling, constraint, reask=True)
+            except GatewayError as exc:  # the first answer stands, unparsed, as if not re-asked
+                calls.append(exc.record)
+            else:
+                parsed, error = self._parse(record, prompt, schema, sampling)
+                calls.append(record.model_copy(update={"parse_error": error}))
         if error:
             self.stats.parse_failures += 1
             logger.info("%s@%s on %s: answer kept unparsed: %s", prompt.template, prompt.version, name, error)
-        return ChatResult(calls[-1].text, parsed, error, tuple(calls))
+        return ChatResult(record.text, parsed, error, tuple(calls))
 
     def chat_sync(self, prompt: RenderedPrompt, **options: Any) -> ChatResult[Any]:
         """`chat` for synchronous code; blocks until the answer is there."""
@@ -236,8 +249,10 @@ class Gateway:
         cached = answer is not None
         if answer is None:
             answer = await self._ask(backend, messages, sampling, constraint, mode, about, start)
-            if self.cache:
+            if self.cache and _finished(answer):
                 await asyncio.to_thread(self.cache.put, key, backend.model_id, prompt.template, prompt.version, answer)
+            self.stats.tokens_in += answer.tokens_in or 0
+            self.stats.tokens_out += answer.tokens_out or 0
         record = CallRecord(
             **about,
             cached=cached,
@@ -250,8 +265,6 @@ class Gateway:
         )
         self.stats.calls += 1
         self.stats.cache_hits += cached
-        self.stats.tokens_in += answer.tokens_in or 0
-        self.stats.tokens_out += answer.tokens_out or 0
         logger.debug(
             "%s@%s on %s: %s tokens in, %s out, %.0f ms%s",
             prompt.template,

@@ -26,7 +26,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from trajforge.llm.calls import Completion, Enforcement, Sampling
+from trajforge.llm.calls import BackendError, Completion, Enforcement, Sampling
 from trajforge.llm.messages import ImagePart, Message
 from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import LocalModelSettings
@@ -387,9 +387,15 @@ class LocalBackend:
 
     async def complete(self, messages: list[Message], sampling: Sampling,
                        constraint: Constraint | None = None) -> Completion:
-        model = await asyncio.to_thread(load, self.settings)
+        model = await asyncio.to_thread(load, self.settings)  # a model that cannot load fails every request: raised
         grammar = constraint.grammar if constraint is not None else None
-        return await asyncio.to_thread(model.generate, messages, sampling, grammar)
+        try:
+            return await asyncio.to_thread(model.generate, messages, sampling, grammar)
+        # This request's failure, as a server's 400 or 500 would be: inputs the model cannot take (an image PIL
+        # cannot read, image tokens the chat template misplaced), a grammar that does not compile or that decoding
+        # left, torch running out of memory (a RuntimeError). The caller drops the one row, as for an endpoint.
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise BackendError(f"local model {self.model_id}: {type(exc).__name__}: {exc}", 1) from exc
 
     async def aclose(self) -> None:
         """Nothing to release: the loaded model is shared by the whole process."""

@@ -34,7 +34,7 @@ from tenacity import (
 )
 from tenacity.wait import wait_base
 
-from trajforge.llm.calls import Completion, Enforcement, Sampling
+from trajforge.llm.calls import BackendError, Completion, Enforcement, Sampling
 from trajforge.llm.messages import ImagePart, Message
 from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import EndpointSettings, redact
@@ -79,14 +79,6 @@ class _WaitRetryAfter(wait_base):
     def __call__(self, retry_state: RetryCallState) -> float:
         asked = retry_after(retry_state.outcome.exception() if retry_state.outcome else None)
         return min(asked, MAX_RETRY_AFTER_S) if asked is not None else self.backoff(retry_state)
-
-
-class BackendError(Exception):
-    """A request that got no usable answer; `attempts` counts the tries made."""
-
-    def __init__(self, message: str, attempts: int) -> None:
-        super().__init__(message)
-        self.attempts = attempts
 
 
 def _wire(message: Message) -> dict[str, object]:

@@ -188,7 +188,7 @@ def run_episode(
 
 
 _CALL_FIELDS = ("template", "template_version", "model_id", "observation_mode", "cached", "reask",
-                "tokens_in", "tokens_out", "latency_ms", "parse_error", "constrained")
+                "tokens_in", "tokens_out", "latency_ms", "parse_error", "constrained", "error")
 
 
 def _call_summary(call: CallRecord) -> dict[str, Any]:
