@@ -5,7 +5,10 @@ verl (volcengine/verl) trains a policy by RL from a Parquet of prompts whose col
 goes), `ability`, `reward_model` (`{style: rule, ground_truth}`, handed to the reward function) and
 `extra_info` (handed to it too), plus `images` (`[{bytes}]`) for a vision model. Our tasks are the rows of
 `queries`, and a task's reward is its programmatic checker on the app's final state, so the ground truth is what
-the checker needs (app, checker name, params) and `reward.py` (a copy of `synth/verl_reward.py`) runs it.
+the checker needs (app, checker name, params) and `reward.py` (a copy of `synth/verl_reward.py`) runs it. A user's
+app (an app directory) is known only to a process it was registered in, and the training workers are not a night's:
+its checks (spec.yaml, and checkers.py where there is one) are copied to `apps/APP/` beside `reward.py`, which
+registers them. They are predicates on the final state, so the app itself need not be there.
 
 The prompt is the policy's own first step (the gui_owl_e2e template: the action space as a function in the
 system message, the task and the start screen in the user message), so RL starts from what rollouts ask. The
@@ -28,7 +31,10 @@ import pyarrow.parquet as pq
 from trajforge.data.blobs import BlobStore
 from trajforge.data.catalog import Catalog
 from trajforge.envs import actions
+from trajforge.envs.appdir import CHECKERS_FILE, SPEC_FILE
+from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.browser import VIEWPORTS
+from trajforge.envs.kinds import AppDirKind, kind_for
 from trajforge.llm import ImagePart, TextPart, load_prompt
 from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, tool_spec
 from trajforge.schemas.config import RolloutSettings
@@ -46,6 +52,8 @@ from trajforge.synth.handoff import (
 DATA_SOURCE = "trajforge"
 ABILITY = "gui_agent"
 REWARD_MODULE = Path(__file__).with_name("verl_reward.py")
+APPS_FOLDER = "apps"
+"""The folder beside reward.py holding the app directories' checks (`verl_reward.APPS` reads it)."""
 VIEWPORT: str = RolloutSettings.model_fields["viewport"].default
 """The viewport whose reference start screen a row shows when the query was recorded in several."""
 
@@ -74,8 +82,10 @@ def command_note(rows: int) -> str:
 CARD_NOTES = (
     ("The reward is the query's own checker (ground_truth: JSON {app, checker, params}) on the app's final state, "
      "which the rollout driving the app must put in `extra_info['final_state']` (a dict or JSON string); the "
-     "model's text is never read as a state. Anything unusable scores 0.0, logged, never raised."),
-    "reward.py imports `trajforge` (the checkers are its code): install it on the training workers.",
+     "model's text is never read as a state. Anything a rollout made unusable scores 0.0, logged, never raised."),
+    "reward.py imports `trajforge` (the checkers are its code): install it on the training workers. It registers "
+    "the checks of your own apps from `apps/` beside it (keep the two together); a query whose app it cannot find "
+    "raises, rather than scoring every rollout 0.",
 )
 
 
@@ -94,17 +104,41 @@ def export_verl(catalog: Catalog, ref: str, out: Path) -> ExportResult:
         queries = catalog.load(table, snapshot).sort("query_id")
         if queries.is_empty():  # verl stops on an empty dataloader
             raise ExportError(f"{ref}: no rows to export")
+        app_dirs = _app_dirs(ref, queries)  # first: an app no reward could check fails the export, not training
         starts, read = _start_screens(catalog, queries["query_id"].to_list())
         blobs = BlobStore(catalog.warehouse / "blobs")
         rows = [_row(q, i, starts.get(q["query_id"]), blobs) for i, q in enumerate(queries.to_dicts())]
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp / "train.parquet")
         shutil.copyfile(REWARD_MODULE, tmp / "reward.py")
+        for app, folder in app_dirs.items():
+            checks = tmp / APPS_FOLDER / app
+            checks.mkdir(parents=True)
+            for name in (SPEC_FILE, CHECKERS_FILE):
+                if (folder / name).is_file():
+                    shutil.copyfile(folder / name, checks / name)
         screens = f"Start screens: {sum(1 for r in rows if r['images'])} of {len(rows)} rows, the first screenshot " \
                   f"of the query's reference episode ({', '.join(f'{t}@{n}' for t, n in read.items()) or 'none'})."
         card = write_card(tmp, catalog, table, snapshot, rows=len(rows), fmt="verl",
                           extra=(command_note(len(rows)), *CARD_NOTES, screens))
     return ExportResult(out=out, table=table, snapshot=snapshot, rows=len(rows),
                         images=sum(len(r["images"]) for r in rows), card=out / card.name)
+
+
+def _app_dirs(ref: str, queries: pl.DataFrame) -> dict[str, Path]:
+    """App name -> app directory, for the queries' apps that are a user's (the others' checkers are trajforge's
+    own). An app directory is known only where it was registered: the export's config (`query_gen.app_dirs`) must
+    name it, since a night's `--app-dir` set it for that night's process alone."""
+    dirs: dict[str, Path] = {}
+    for app in sorted(set(queries["app"])):
+        try:
+            kind = kind_for(app)
+        except UnknownAppError as exc:
+            raise ExportError(f"{ref}: its queries of app {app!r} cannot be rewarded: {exc}. For your own app, give "
+                              "its directory in query_gen.app_dirs (or TRAJFORGE_QUERY_GEN__APP_DIRS='[\"DIR\"]'), "
+                              "as a night's --app-dir does for that night alone") from None
+        if isinstance(kind, AppDirKind):
+            dirs[app] = kind.app_dir.path
+    return dirs
 
 
 def _start_screens(catalog: Catalog, query_ids: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:

@@ -1,11 +1,17 @@
 """The verl export as verl reads it: plain pyarrow on train.parquet, and reward.py loaded by path the way
-verl's `custom_reward_function.path` loads it, after a real nightly run (replay policy)."""
+verl's `custom_reward_function.path` loads it, after a real nightly run (replay policy); and a user's app's queries
+rewarded by reward.py in a process that knows nothing but the export."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
 import json
+import shutil
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
@@ -14,11 +20,26 @@ import pytest
 from PIL import Image
 from test_pipeline import workspace
 
-from trajforge.envs.kinds import kind_for
+from trajforge.data.catalog import Catalog, Lineage
+from trajforge.envs.kinds import kind_for, use_app_dirs
+from trajforge.schemas.records import Query
 from trajforge.synth.handoff import ExportError
 from trajforge.synth.verl import export_verl
 
 pytestmark = pytest.mark.browser
+
+COUNTER = Path(__file__).parent / "fixtures" / "counter_app"
+
+REWARD_IN_A_FRESH_PROCESS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("custom_module", sys.argv[1])  # as verl loads it
+reward = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reward)
+truth, states = sys.argv[2], json.loads(sys.argv[3])
+print(json.dumps([reward.compute_score("trajforge", "", truth, {"final_state": s}) for s in states]))
+reward.compute_score("trajforge", "", json.dumps({**json.loads(truth), "app": "no-such-app"}), {"final_state": {}})
+"""
+"""Scores the states with the ground truth, then a query of an app that is nowhere, which must raise."""
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +110,8 @@ def test_reward_is_the_checker_on_the_final_state(night):
         if info["query_id"] in finals:
             final = finals[info["query_id"]]
             assert reward.compute_score(row["data_source"], "", truth, {**info, "final_state": final}) == 1.0
-            assert reward.compute_score(row["data_source"], "", truth, {**info, "final_state": json.loads(final)}) == 1.0
+            parsed = json.loads(final)
+            assert reward.compute_score(row["data_source"], "", truth, {**info, "final_state": parsed}) == 1.0
             scored += 1
     assert scored, "some query has a successful reference episode to score"
 
@@ -101,7 +123,8 @@ def test_unusable_input_scores_zero_and_never_raises(night):
     other = json.dumps({**json.loads(truth), "checker": "no_such_checker"})
     for ground_truth, extra in [("not json", {**info, "final_state": {}}), ('{"app": "shop"}', {}), (None, info),
                                 (truth, None), (truth, info), (truth, {**info, "final_state": "{not a state"}),
-                                (truth, {**info, "final_state": [1, 2]}), (truth, {**info, "final_state": {}}), (other, {**info, "final_state": {}})]:
+                                (truth, {**info, "final_state": [1, 2]}), (truth, {**info, "final_state": {}}),
+                                (other, {**info, "final_state": {}})]:
         assert reward.compute_score(row["data_source"], '{"cart": "everything"}', ground_truth, extra) == 0.0
 
 
@@ -117,3 +140,49 @@ def test_only_a_queries_version_into_a_new_folder(night, tmp_path):
         export_verl(ws.catalog, f"queries@{tag}", tmp_path / "b")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert [p.name for p in (tmp_path / "b").iterdir()] == ["mine.txt"]
+
+
+def _queries_of(catalog: Catalog, app: str) -> None:
+    """One "add one" query of the counter app directory as query generation writes it, committed as queries."""
+    query = Query(run_id="r", query_id="q-count", app=app, source="page_graph",
+                  instruction="Add one to the count, so it reads 1", path=["counter", "added"], slots_json='{"n": "1"}',
+                  checker="added_once", checker_params_json='{"n": "1"}', max_steps=5, generator="tests",
+                  created_at=datetime.now(timezone.utc))
+    catalog.commit_rows("queries", [query], Lineage(stage="query_gen", run_id="r", commit_key="r/queries",
+                                                    config_hash="c", code_version="v"))
+
+
+def test_a_user_apps_queries_are_rewarded_by_its_checks_where_only_the_export_is(tmp_path):
+    """An app directory is known only to a process that registered it, as the training workers have not: the
+    export carries its checks (spec.yaml, and checkers.py for its `python` check) and reward.py registers them,
+    in a fresh interpreter elsewhere, after the app's own folder is gone. An app it cannot find raises there."""
+    shutil.copytree(COUNTER, tmp_path / "counter")
+    (tmp_path / "counter" / "spec.yaml").write_text(
+        (COUNTER / "spec.yaml").read_text().replace("app: counter", "app: counter-verl"))
+    [counter] = use_app_dirs([tmp_path / "counter"])
+    catalog = Catalog(tmp_path / "warehouse")
+    _queries_of(catalog, counter.name)
+    out = export_verl(catalog, "queries@latest", tmp_path / "verl").out
+    shutil.rmtree(tmp_path / "counter")
+    assert sorted(p.name for p in (out / "apps" / "counter-verl").iterdir()) == ["checkers.py", "spec.yaml"]
+    [truth] = [r["ground_truth"] for r in pq.read_table(out / "train.parquet")["reward_model"].to_pylist()]
+    accepted = {"url": "http://127.0.0.1:1/", "ax_tree": 'heading "Count: 1"',
+                "http": {"state": {"json": {"count": 1}}}}
+    rejected = {**accepted, "http": {"state": {"json": {"count": 2}}}}
+    assert counter.check("added_once", {"n": "1"}, accepted)[0]
+    assert not counter.check("added_once", {"n": "1"}, rejected)[0]
+    done = subprocess.run([sys.executable, "-c", REWARD_IN_A_FRESH_PROCESS, str(out / "reward.py"), truth,
+                           json.dumps([accepted, json.dumps(accepted), rejected])],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[0] == "[1.0, 1.0, 0.0]", done.stderr
+    assert done.returncode == 1 and "UnknownAppError: reward.py: unknown app 'no-such-app'" in done.stderr, done.stderr
+
+
+def test_a_query_of_an_app_the_export_does_not_know_is_refused(tmp_path):
+    """A night's --app-dir registered the app in that night's process only: an export that is not told the app's
+    directory says so, rather than write a reward.py that cannot check it."""
+    catalog = Catalog(tmp_path / "warehouse")
+    _queries_of(catalog, "counter-elsewhere")
+    with pytest.raises(ExportError, match="queries of app 'counter-elsewhere' cannot be rewarded.*query_gen.app_dirs"):
+        export_verl(catalog, "queries@latest", tmp_path / "verl")
+    assert not (tmp_path / "verl").exists()
