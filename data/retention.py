@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -108,6 +109,22 @@ def _run_of(snapshot: Snapshot) -> str | None:
     return snapshot.summary[RUN_ID_KEY] if snapshot.summary is not None else None
 
 
+def _last_of_runs_with_rows(tbl: Table) -> set[int]:
+    """The last version of each run whose rows the table's current version holds. A table that accumulates
+    (verdicts, step critiques) holds rows of runs whose versions are long expired, and `Catalog.newest` orders
+    rows by their run's place in the table's history: a run missing from it ranked before every kept one, so a
+    verdict judged again by hand went back to the night's older one once its version was expired."""
+    current = tbl.current_snapshot()
+    if current is None or "run_id" not in tbl.schema().column_names:
+        return set()
+    runs = set(pl.scan_iceberg(tbl, snapshot_id=current.snapshot_id).select("run_id").unique().collect()["run_id"])
+    last: dict[str, int] = {}
+    for snapshot in sorted(tbl.metadata.snapshots, key=lambda s: s.sequence_number or 0):
+        if (run := _run_of(snapshot)) in runs:
+            last[run] = snapshot.snapshot_id
+    return set(last.values())
+
+
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
@@ -136,6 +153,7 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
     tables = {name: catalog.iceberg.load_table((catalog.namespace, name)) for name in catalog.tables()}
     keep = {name: _protected(tbl) | {s.snapshot_id for s in tbl.metadata.snapshots
                                      if s.timestamp_ms >= cutoff_ms or _run_of(s) in unfinished}
+                  | _last_of_runs_with_rows(tbl)
             for name, tbl in tables.items()}
     # A kept version's lineage names the versions it was made from: they stay, so it can be explained and rerun.
     # So do the versions its stage run committed beside it (a rollout's steps beside its episodes, a critics run's

@@ -22,8 +22,13 @@ from trajforge.data.ledger import Ledger, ShardRecord
 from trajforge.data.retention import expire
 from trajforge.llm.cache import ResponseCache, responses
 from trajforge.llm.calls import Completion
-from trajforge.schemas.records import Checkpoint
+from trajforge.schemas.records import Checkpoint, Verdict
 from trajforge.schemas.tables import to_arrow
+
+
+def verdict_row(run_id: str, episode_id: str, success: bool) -> Verdict:
+    return Verdict(run_id=run_id, verdict_id=f"{run_id}:{episode_id}", episode_id=episode_id, query_id="q",
+                   success=success, consensus="checker_first", channels_json="{}", reason="r", config_hash="x")
 
 
 def png(shade: int) -> bytes:
@@ -123,6 +128,24 @@ def test_the_versions_a_kept_versions_stage_run_committed_beside_it_are_kept(tmp
     gone = expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
     assert "queries" not in gone.snapshots
     assert Catalog(tmp_path / "warehouse").load("queries", beside)["query_id"].to_list() == ["q1"]
+
+
+def test_a_verdict_judged_again_stays_the_newest_after_the_older_judges_versions_expire(tmp_path: Path) -> None:
+    """The night rejected e1 (its version tagged), a by-hand critics run accepted it, and a later night judged
+    another episode. verdicts accumulates, so every judgement stays a current row; `Catalog.newest` orders them by
+    their run's place in the table's history, and with the by-hand run's version expired the night's older
+    rejection came back."""
+    catalog = Catalog(tmp_path / "warehouse")
+    night = catalog.commit_rows("verdicts", [verdict_row("nightly-1", "e1", False)], lineage("n1", run_id="nightly-1"))
+    catalog.tag("verdicts", night, "nightly-2026-01-01")
+    by_hand = catalog.commit_rows("verdicts", [verdict_row("critics-1", "e1", True)], lineage("c1", run_id="critics-1"))
+    catalog.commit_rows("verdicts", [verdict_row("nightly-2", "e9", True)], lineage("n2", run_id="nightly-2"))
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
+    newest = Catalog(tmp_path / "warehouse").newest("verdicts", "episode_id").sort("episode_id")
+    assert newest.select("episode_id", "run_id", "success").rows() == [("e1", "critics-1", True),
+                                                                         ("e9", "nightly-2", True)]
+    assert by_hand in {i.snapshot_id for i in Catalog(tmp_path / "warehouse").history("verdicts")}
 
 
 def test_what_an_unfinished_run_committed_stays_so_its_rerun_commits_it_once(tmp_path: Path) -> None:
