@@ -47,6 +47,7 @@ stages = sa.Table(
     sa.Column("stage", sa.String(40), primary_key=True),
     sa.Column("total_shards", sa.Integer, nullable=False),
     sa.Column("snapshots", sa.Text, doc="JSON: table -> snapshot id once committed."),
+    sa.Column("planned", sa.Text, doc="JSON: the unit keys a StageDef.once stage's first plan kept ({}: not kept)."),
 )
 
 shards = sa.Table(
@@ -267,13 +268,26 @@ class Ledger:
                 .values(status="done", finished_at=_now(), summary=json.dumps(summary))
             )
 
-    def plan_stage(self, run_id: str, stage: str, total_shards: int) -> None:
+    def plan_stage(self, run_id: str, stage: str, total_shards: int, planned: list[str] | None = None) -> None:
+        """The stage's first plan in this run: its shard count and, for a `StageDef.once` stage, the unit keys it
+        kept (`planned_units`); a resume's plan changes neither."""
         with self.engine.begin() as conn:
             exists = conn.execute(
                 sa.select(stages.c.stage).where(stages.c.run_id == run_id, stages.c.stage == stage)
             ).first()
             if exists is None:
-                conn.execute(stages.insert().values(run_id=run_id, stage=stage, total_shards=total_shards))
+                conn.execute(stages.insert().values(run_id=run_id, stage=stage, total_shards=total_shards,
+                                                    planned=json.dumps(planned) if planned is not None else None))
+
+    def planned_units(self, run_id: str, stage: str) -> set[str] | None:
+        """The unit keys this run's first plan of a `StageDef.once` stage kept; None before it (or where a
+        ledger of older code kept none)."""
+        with self.engine.connect() as conn:
+            value = conn.execute(
+                sa.select(stages.c.planned).where(stages.c.run_id == run_id, stages.c.stage == stage)
+            ).scalar()
+        keys = json.loads(value) if value else None
+        return set(keys) if isinstance(keys, list) else None
 
     def committed(self, run_id: str, stage: str) -> dict[str, int] | None:
         """The stage's snapshots if this run already committed it."""

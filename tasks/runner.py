@@ -75,8 +75,14 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
     units = sorted(inputs.units, key=stage.key)
     stats = Counter(inputs.stats)
     once_hash = digest(f"{config}:{code_version()}:{prompts_fingerprint()}") if stage.once else ""
-    if stage.once and (done := ws.ledger.units_done(stage.name, once_hash, besides=run_id)):
-        kept = [u for u in units if stage.key(u) not in done]
+    if stage.once:
+        # A resume keeps the units its first plan kept: what other runs did in between, or a code fix that
+        # changed `once_hash`, would plan other shards than the ones recorded, and the stage could never commit.
+        planned = ws.ledger.planned_units(run_id, stage.name)
+        if planned is None:
+            done = ws.ledger.units_done(stage.name, once_hash, besides=run_id)
+            planned = {key for u in units if (key := stage.key(u)) not in done}
+        kept = [u for u in units if stage.key(u) in planned]
         if len(kept) < len(units):
             stats["already done by an earlier run with this configuration"] += len(units) - len(kept)
         units = kept
@@ -88,7 +94,7 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         replaces = {stage.key(u): value(u) for u in units}
     shards = [Shard(digest("\n".join(stage.key(u) for u in chunk)), chunk)
               for chunk in even_chunks(units, stage.shard_size(ws.settings))]
-    ws.ledger.plan_stage(run_id, stage.name, len(shards))
+    ws.ledger.plan_stage(run_id, stage.name, len(shards), [stage.key(u) for u in units] if stage.once else None)
     done = {r.shard_id for r in ws.ledger.shards_done(run_id, stage.name)}
     return StagePlan(
         stage=stage,

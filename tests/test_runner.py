@@ -312,6 +312,33 @@ def test_a_once_stage_does_its_units_again_when_a_prompt_changes(ws, run_id, tmp
     assert calls == APPS + APPS
 
 
+def test_a_once_stage_resumed_after_a_code_or_prompt_fix_finishes_the_units_it_planned(ws, run_id, tmp_path,
+                                                                                       monkeypatch):
+    """An earlier run did three units; this run planned the four others and crashed; the crash was fixed (here a
+    prompt, as a code change does: both are in what a unit is done with). The resume planned again under the new
+    configuration, seven units in other shards than the ones recorded, and its commit refused them, on every
+    rerun; it now finishes the four it planned."""
+    import trajforge.llm.prompts as prompts
+
+    (tmp_path / "synth" / "prompts").mkdir(parents=True)
+    template = tmp_path / "synth" / "prompts" / "demo.yaml"
+    template.write_text("version: '1'\n")
+    monkeypatch.setattr(prompts, "PACKAGE_ROOT", tmp_path)
+    calls: list[str] = []
+    earlier = dataclasses.replace(once(make_stage(calls)),
+                                  load=lambda ws, snap: Inputs(units=APPS[:3], fingerprint="f"))
+    run_all(earlier, ws, f"{run_id}-earlier")
+    p = plan(once(make_stage(calls, fail_on="app5")), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    template.write_text("version: '2'\n")
+    snapshots = run_all(once(make_stage(calls)), ws, run_id)
+    assert sorted(ws.catalog.load("queries")["app"]) == APPS
+    assert ws.catalog.lineage("queries", snapshots["queries"]).stats == {
+        "already done by an earlier run with this configuration": 3}
+
+
 def test_a_unit_key_done_before_another_key_replaced_it_is_done_again(ws, run_id):
     """Export's keys are an episode and its verdict: rejected, accepted (its rows replaced), then rejected again
     must leave the last rejection's rows, not the acceptance's."""
