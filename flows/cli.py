@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, get_args, get_origin
 
 import click
 import typer
@@ -42,7 +42,16 @@ from typer.core import TyperCommand
 
 import trajforge.flows  # noqa: F401  (sets Prefect's environment defaults before Prefect is imported)
 from trajforge.flows import prefect_server
-from trajforge.schemas.config import ENV_PREFIX, ConfigError, Settings, config_path, has_path, load_settings, redact
+from trajforge.schemas.config import (
+    ENV_PREFIX,
+    SECRET_PREFIX,
+    ConfigError,
+    Settings,
+    config_path,
+    has_path,
+    load_settings,
+    redact,
+)
 
 if TYPE_CHECKING:
     import polars as pl
@@ -83,6 +92,15 @@ err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="Config file (default: $TRAJFORGE_CONFIG or ./trajforge.yaml).")
 ]
+
+
+def _use_app_dirs(app_dirs: list[Path], deep_searched: list[str]) -> None:
+    """Make the apps of `app_dirs` the configured ones (query_gen.apps, app_dirs, deep_search_apps), before the
+    command reads its settings. As variables in the environment: a run's flows and every worker process read the
+    config again, and see them."""
+    os.environ[f"{ENV_PREFIX}QUERY_GEN__APP_DIRS"] = json.dumps([str(p.resolve()) for p in app_dirs])
+    os.environ[f"{ENV_PREFIX}QUERY_GEN__APPS"] = "[]"
+    os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = json.dumps(deep_searched)
 
 
 def _error(message: str) -> None:
@@ -268,10 +286,7 @@ def run(
             searched = [load_app_dir(p).name for p in app_dir] if deep_search else []
         except SpecError as exc:
             raise _fail(str(exc)) from None
-        # As settings in the environment: the flows and every worker process read the config again, and see them.
-        os.environ[f"{ENV_PREFIX}QUERY_GEN__APP_DIRS"] = json.dumps([str(p.resolve()) for p in app_dir])
-        os.environ[f"{ENV_PREFIX}QUERY_GEN__APPS"] = "[]"
-        os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = json.dumps(searched)
+        _use_app_dirs(app_dir, searched)
     settings, ws = _open(config, models=True)
     try:  # the server started as the command did (flows.prefect_server), once the checks above passed
         prefect_server.wait_ready()
@@ -516,14 +531,24 @@ def eval_critics(
         Path | None, typer.Option(help="Report file (JSON); default WAREHOUSE/reports/critics-SNAPSHOT.json.")
     ] = None,
     config: ConfigOpt = None,
+    app_dir: Annotated[list[Path] | None, typer.Option(
+        "--app-dir", help="The directory of your own app whose episodes the verdicts judged (repeatable), as the "
+        "night's `run --app-dir` gave it: its checks are their ground truth.")] = None,
 ) -> None:
     """Each critic channel's verdicts against the programmatic ground truth: metrics, confusion, errors."""
     from trajforge.critics.evaluate import load_judged, score
     from trajforge.critics.stage import checker_for
+    from trajforge.envs.apps import UnknownAppError
 
+    if app_dir:  # the ground truth is the app's own checks: a night's --app-dir is needed again here
+        _use_app_dirs(app_dir, [])
     _, ws = _open(config)
     with _usage_errors():
-        snapshot, judged = load_judged(ws.catalog, input, checker_for)
+        try:
+            snapshot, judged = load_judged(ws.catalog, input, checker_for)
+        except UnknownAppError as exc:
+            raise _fail(f"{exc}; for your own app's episodes, pass its directory with --app-dir DIR (or set "
+                        "query_gen.app_dirs)") from None
     reports = score(judged)
     successes = sum(j.truth for j in judged)
     console.print(
@@ -688,28 +713,73 @@ def _shown(value: Any) -> str:
 
 def _source(parts: tuple[str, ...], data: dict[str, Any], path: Path | None, env: dict[str, str]) -> str:
     """Where a setting's value came from. The environment overrides the file key by key, and a variable may give
-    a whole section as JSON (TRAJFORGE_LLM='{...}'), so the longest variable that holds the key wins."""
+    a whole section as JSON (TRAJFORGE_LLM='{...}'), so the longest variable that holds the key wins. A mapping
+    (loop.models) also takes keys from variables below its own (TRAJFORGE_LOOP__MODELS__1), merged with the
+    file's keys: each of those is named too."""
+    keys = sorted(n for n in env if n.startswith(ENV_PREFIX + "__".join(parts).upper() + "__"))
     for i in range(len(parts), 0, -1):
         name = ENV_PREFIX + "__".join(parts[:i]).upper()
         if name not in env:
             continue
         if i == len(parts):
-            return name
+            return ", ".join([name, *keys])
         try:
             given = json.loads(env[name])
         except json.JSONDecodeError:
             continue
         if has_path(given, parts[i:]):
-            return name
-    return str(path) if path is not None and has_path(data, parts) else "default"
+            return ", ".join([name, *keys])
+    file = [str(path)] if path is not None and has_path(data, parts) else []
+    return ", ".join(file + keys) or "default"
 
 
 def _nightly_deployment(config: Path | None, settings: Settings) -> dict[str, Any]:
-    """What `deploy` and `serve` both give Prefect: the config's path as the flow's parameter, and the cron."""
+    """What `deploy` and `serve` both give Prefect: the cron, and as the flow's parameter the absolute path of the
+    config file the command read (--config, $TRAJFORGE_CONFIG or ./trajforge.yaml), since a worker has its own
+    environment and would otherwise run the nights on another config, into another warehouse."""
     from prefect.schedules import Cron
 
-    return {"parameters": {"config": str(config.resolve())} if config else {},
+    path = config_path(config)
+    return {"parameters": {"config": str(path.resolve())} if path is not None else {},
             "schedules": [Cron(settings.schedule.cron, timezone=settings.schedule.timezone)]}
+
+
+def _secret_settings(annotation: Any, parts: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The settings that hold a secret (a SecretStr), as their variables' names split at `__` ('*' for a
+    mapping's key, such as an endpoint's name)."""
+    if annotation is SecretStr:
+        yield parts
+    elif get_origin(annotation) is dict:
+        yield from _secret_settings(get_args(annotation)[1], (*parts, "*"))
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for name, field in annotation.model_fields.items():
+            yield from _secret_settings(field.annotation, (*parts, name.upper()))
+    else:  # a union, such as SecretStr | None
+        for arg in get_args(annotation):
+            yield from _secret_settings(arg, parts)
+
+
+def _shell_variables() -> tuple[dict[str, str], list[str]]:
+    """This shell's TRAJFORGE_ variables for a deployment's runs: (those it carries, the names of those it
+    cannot). `deploy` checked the config with them, so a user expects the nights to run with them too, but the
+    worker runs in its own environment: the deployment carries them, except $TRAJFORGE_CONFIG (the flow's
+    parameter) and those that hold or may hold a secret (an endpoint's api_key, a database URL, a section given
+    as JSON, an app's TRAJFORGE_SECRET_), which would be stored on the Prefect server and shown by `prefect
+    deployment inspect`: the worker's own environment must set those."""
+    secrets = list(_secret_settings(Settings))
+    carried: dict[str, str] = {}
+    left: list[str] = []
+    for name, value in os.environ.items():
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper == f"{ENV_PREFIX}CONFIG":
+            continue
+        parts = upper.removeprefix(ENV_PREFIX).split("__")
+        if upper.startswith(SECRET_PREFIX) or any(all(a in (b, "*") for a, b in zip(secret, parts))
+                                                  for secret in secrets):
+            left.append(name)
+        else:
+            carried[name] = value
+    return carried, sorted(left)
 
 
 def _prefect_server() -> str:
@@ -755,16 +825,23 @@ def deploy(
             client.read_work_pool(pool)
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    carried, left = _shell_variables()
     nightly.deploy(
         name="nightly", work_pool_name=pool, **_nightly_deployment(config, settings),
         # The worker imports the installed package (no code upload, no image) and runs in this folder, where
         # trajforge.yaml and the default warehouse are; one night at a time (the warehouse's lock says so too).
-        entrypoint_type=EntrypointType.MODULE_PATH, job_variables={"working_dir": str(Path.cwd())},
+        entrypoint_type=EntrypointType.MODULE_PATH, job_variables={"working_dir": str(Path.cwd()), "env": carried},
         concurrency_limit=1, build=False, push=False, print_next_steps=False, ignore_warnings=True,
     )
     console.print(f"deployed nightly/nightly to work pool {pool!r} at {_shown_url(url)}, on cron "
                   f"{settings.schedule.cron!r} ({settings.schedule.timezone}); runs need a worker: "
                   f"prefect worker start --pool {pool}")
+    if carried:
+        console.print(f"the deployment gives its runs this shell's {', '.join(sorted(carried))}", highlight=False)
+    if left:
+        err_console.print(f"[bold yellow]warning:[/] the deployment's runs do not get this shell's {', '.join(left)} "
+                          "(secrets are not stored on the Prefect server): set them where the worker runs",
+                          highlight=False, soft_wrap=True)
 
 
 @apps_app.command("init")

@@ -81,6 +81,18 @@ def test_config_show_gives_values_sources_and_masks_secrets(tmp_path: Path, traj
     assert SENTINEL not in out + proc.stderr
 
 
+def test_config_show_names_the_variables_that_give_a_mappings_keys(tmp_path: Path, trajforge_cli: str) -> None:
+    """A variable one level below a mapping setting gives one of its keys, merged with the file's keys: both are
+    named, not `default` (the variable was not looked for)."""
+    (tmp_path / "trajforge.yaml").write_text("loop:\n  models:\n    0: base\n")
+    proc = run(trajforge_cli, tmp_path, "config", "show", env={"TRAJFORGE_LOOP__MODELS__1": "foo"})
+    assert proc.returncode == 0, proc.stderr
+    assert 'models: {"0": "base", "1": "foo"}  # trajforge.yaml, TRAJFORGE_LOOP__MODELS__1' in proc.stdout
+    (tmp_path / "trajforge.yaml").unlink()
+    proc = run(trajforge_cli, tmp_path, "config", "show", env={"TRAJFORGE_LOOP__MODELS__1": "foo"})
+    assert 'models: {"1": "foo"}  # TRAJFORGE_LOOP__MODELS__1' in proc.stdout
+
+
 def test_preflight_names_the_unset_key_variable(tmp_path: Path, trajforge_cli: str) -> None:
     """A scheduled run whose endpoint key is missing fails before any work, naming the variable."""
     (tmp_path / "trajforge.yaml").write_text(

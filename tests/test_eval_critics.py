@@ -16,8 +16,12 @@ from pathlib import Path
 
 import pytest
 from conftest import require
+from test_catalog import lineage, query_row
 
 from trajforge.critics.evaluate import Confusion
+from trajforge.data.catalog import Catalog
+
+JOTTER = Path(__file__).parents[1] / "examples" / "apps" / "jotter"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -123,3 +127,35 @@ def test_eval_critics_prints_metrics_and_writes_a_report(tmp_path, chromium, tra
         assert example["episode_id"] in out and example["ground_truth"]
     wrong = cli(trajforge_cli, tmp_path, "eval", "critics", "--input", "episodes@latest", ok=False)
     assert "evaluated on a verdicts version, not on 'episodes'" in wrong.stderr
+
+
+def app_dir_night(cwd: Path) -> None:
+    """A warehouse at the default path under `cwd` as a night with `--app-dir examples/apps/jotter` leaves it: one
+    query of the app directory's app, its episode (the note pinned, as its check asks) and the episode's verdict."""
+    query = query_row("q1") | {"app": "jotter", "checker": "note_pinned",
+                               "checker_params_json": '{"note": "Groceries"}'}
+    state = {"http": {"session": {"json": {"notes": [{"title": "Groceries", "pinned": True}]}}}}
+    at = query["created_at"]
+    episode = {"run_id": "run-1", "episode_id": "ep-1", "query_id": "q1", "app": "jotter", "instruction": "Pin it",
+               "policy": "replay", "model_id": "replay", "prompt_version": "-", "viewport": "desktop",
+               "status": "terminated", "num_steps": 2, "final_url": "http://127.0.0.1/note",
+               "final_state_json": json.dumps(state), "started_at": at, "finished_at": at}
+    verdict = {"run_id": "run-1", "verdict_id": "v1", "episode_id": "ep-1", "query_id": "q1", "success": True,
+               "consensus": "checker_first", "channels_json": "{}", "reason": "pinned", "config_hash": "x"}
+    with Catalog(cwd / "data" / "warehouse") as catalog:
+        inputs = {"queries": catalog.commit_rows("queries", [query], lineage("q")),
+                  "episodes": catalog.commit_rows("episodes", [episode], lineage("e", "rollout"))}
+        catalog.commit_rows("verdicts", [verdict], lineage("v", "critics", inputs=inputs))
+
+
+def test_eval_critics_on_an_app_directorys_episodes_takes_its_app_dir(tmp_path, trajforge_cli):
+    """`--app-dir` makes the app known to that run's process only: the evaluation takes it too, and without it says
+    so as a usage error (it crashed, exit 1, on an UnknownAppError)."""
+    app_dir_night(tmp_path)
+    proc = subprocess.run([trajforge_cli, "eval", "critics"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: unknown app 'jotter'") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--app-dir DIR (or set query_gen.app_dirs)" in proc.stderr
+    out = cli(trajforge_cli, tmp_path, "eval", "critics", "--app-dir", str(JOTTER)).stdout
+    assert "1 episodes, 1 successful by their checkers" in out

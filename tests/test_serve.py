@@ -100,6 +100,32 @@ def test_deploy_puts_the_nightly_on_a_process_pool_whose_worker_runs_it(tmp_path
     night_written(tmp_path)
 
 
+def test_deploy_gives_its_runs_the_config_it_read_and_this_shells_settings_but_no_secret(tmp_path, prefect_server,
+                                                                                        trajforge_cli):
+    """The worker runs in its own environment: the config deploy read through $TRAJFORGE_CONFIG is the flow's
+    parameter (it was dropped: the nights ran on the defaults, into another warehouse), this shell's settings
+    variables go with the deployment, and those that hold a secret are named, never stored on the server."""
+    env, prefect = prefect_server
+    (tmp_path / "prod.yaml").write_text(CONFIG)
+    here = tmp_path / "here"  # no trajforge.yaml
+    here.mkdir()
+    sentinel = "S3NT1NEL-pw-5c2e"
+    env = env | {"COLUMNS": "1000",  # `prefect deployment inspect` wraps a long path otherwise
+                 "TRAJFORGE_CONFIG": str(tmp_path / "prod.yaml"), "TRAJFORGE_QUERY_GEN__NUM_QUERIES": "1",
+                 "TRAJFORGE_SECRET_ACCOUNT_PASSWORD": sentinel,
+                 "TRAJFORGE_SYNTH__OCR_CACHE_URL": f"sqlite:///{tmp_path}/{sentinel}.db"}
+    deployed = subprocess.run([trajforge_cli, "deploy"], cwd=here, env=env, capture_output=True, text=True,
+                              check=False)
+    assert deployed.returncode == 0, deployed.stderr
+    shown = registered(prefect, env)
+    assert f"'config': '{tmp_path / 'prod.yaml'}'" in shown, shown  # the flow's parameter
+    assert "'TRAJFORGE_QUERY_GEN__NUM_QUERIES': '1'" in shown and "30 3 * * *" in shown
+    assert "TRAJFORGE_QUERY_GEN__NUM_QUERIES" in deployed.stdout
+    assert ("TRAJFORGE_SECRET_ACCOUNT_PASSWORD, TRAJFORGE_SYNTH__OCR_CACHE_URL" in deployed.stderr
+            and "set them where the worker runs" in deployed.stderr), deployed.stderr
+    assert sentinel not in shown + deployed.stdout + deployed.stderr
+
+
 @pytest.mark.parametrize("command", ["deploy", "serve"])
 def test_without_a_prefect_server_deploy_and_serve_say_how_to_start_one(tmp_path, trajforge_cli, command):
     (tmp_path / "trajforge.yaml").write_text(CONFIG)
