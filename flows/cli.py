@@ -637,12 +637,17 @@ def export_cmd(
     added: Annotated[bool, typer.Option(
         "--added", help="Only the rows the run behind the version added (a night's data), not all it holds.")] = False,
     config: ConfigOpt = None,
+    app_dir: Annotated[list[Path] | None, typer.Option(
+        "--app-dir", help="verl: the directory of your own app whose queries these are (repeatable), as the "
+        "night's `run --app-dir` gave it: its checks go beside reward.py.")] = None,
 ) -> None:
     """Hand a training table's version to a trainer: its rows and images in the trainer's format, with a card."""
     from trajforge.synth.handoff import FORMATS, ExportError, export
 
     if fmt not in FORMATS:
         raise _fail(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    if app_dir:
+        _use_app_dirs(app_dir, [])
     _, ws = _open(config)
     with _usage_errors(ExportError):
         result = export(ws.catalog, ref, fmt, out, added_only=added)

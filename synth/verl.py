@@ -127,15 +127,15 @@ def export_verl(catalog: Catalog, ref: str, out: Path) -> ExportResult:
 def _app_dirs(ref: str, queries: pl.DataFrame) -> dict[str, Path]:
     """App name -> app directory, for the queries' apps that are a user's (the others' checkers are trajforge's
     own). An app directory is known only where it was registered: the export's config (`query_gen.app_dirs`) must
-    name it, since a night's `--app-dir` set it for that night's process alone."""
+    name it, or the export's own `--app-dir`: a night's set it for that night's process alone."""
     dirs: dict[str, Path] = {}
     for app in sorted(set(queries["app"])):
         try:
             kind = kind_for(app)
         except UnknownAppError as exc:
             raise ExportError(f"{ref}: its queries of app {app!r} cannot be rewarded: {exc}. For your own app, give "
-                              "its directory in query_gen.app_dirs (or TRAJFORGE_QUERY_GEN__APP_DIRS='[\"DIR\"]'), "
-                              "as a night's --app-dir does for that night alone") from None
+                              "its directory with --app-dir DIR, as the night's own, or in query_gen.app_dirs") \
+                from None
         if isinstance(kind, AppDirKind):
             dirs[app] = kind.app_dir.path
     return dirs

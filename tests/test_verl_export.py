@@ -183,6 +183,20 @@ def test_a_query_of_an_app_the_export_does_not_know_is_refused(tmp_path):
     directory says so, rather than write a reward.py that cannot check it."""
     catalog = Catalog(tmp_path / "warehouse")
     _queries_of(catalog, "counter-elsewhere")
-    with pytest.raises(ExportError, match="queries of app 'counter-elsewhere' cannot be rewarded.*query_gen.app_dirs"):
+    with pytest.raises(ExportError, match="queries of app 'counter-elsewhere' cannot be rewarded.*--app-dir DIR"):
         export_verl(catalog, "queries@latest", tmp_path / "verl")
     assert not (tmp_path / "verl").exists()
+
+
+def test_the_cli_export_takes_the_nights_app_dir(tmp_path, trajforge_cli):
+    """After `run nightly --app-dir DIR`, the same option on export names the app, as on `eval critics`."""
+    shutil.copytree(COUNTER, tmp_path / "counter")
+    (tmp_path / "counter" / "spec.yaml").write_text(
+        (COUNTER / "spec.yaml").read_text().replace("app: counter", "app: counter-cli"))
+    _queries_of(workspace(tmp_path).catalog, "counter-cli")
+    args = [trajforge_cli, "export", "queries@latest", "--format", "verl", "--out", "verl"]
+    refused = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "app 'counter-cli' cannot be rewarded" in refused.stderr, refused.stderr
+    done = subprocess.run([*args, "--app-dir", "counter"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "verl" / "apps" / "counter-cli" / "spec.yaml").is_file()
