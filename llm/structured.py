@@ -58,11 +58,21 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return value
 
 
+def _no_constant(name: str) -> None:
+    """JSON has no NaN or Infinity; Python's json reads them, and a row would keep a NaN no table can compare."""
+    raise ParseError(f"{name} is not a JSON value")
+
+
 def _json_object(text: str) -> object:
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys)
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        # An escaped character cut in half ("\ud83d" of an emoji, at max_tokens) reads as a lone surrogate: no
+        # text, and no Parquet file can hold it, so the row it reached failed its whole shard on every rerun.
+        json.dumps(value, ensure_ascii=False).encode()
     except json.JSONDecodeError as exc:
         raise ParseError(f"not one JSON object: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except UnicodeEncodeError as exc:
+        raise ParseError(f"a string holds half a character ({exc.object[exc.start:exc.end]!r})") from None
     if not isinstance(value, dict):
         raise ParseError(f"expected a JSON object, got a JSON {type(value).__name__}")
     return value

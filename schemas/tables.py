@@ -82,4 +82,22 @@ def to_arrow(table: str, rows: Iterable[dict[str, Any] | Record]) -> pa.Table:
                 raise RowError(f"table {table!r}, row {i} ({model.key}={key}): {problems}") from None
         for name in columns:
             columns[name].append(getattr(row, name))
-    return pa.table(columns, schema=arrow_schema(model))
+    schema = arrow_schema(model)
+    try:
+        return pa.table(columns, schema=schema)
+    except (pa.ArrowException, UnicodeEncodeError, OverflowError) as exc:
+        raise _arrow_problem(table, model, schema, columns) or exc from None
+
+
+def _arrow_problem(table: str, model: type[Record], schema: pa.Schema, columns: dict[str, list[Any]]
+                   ) -> RowError | None:
+    """The first value Arrow refuses (a string with half a character, an integer past 64 bits) as a RowError
+    naming the table, the row's position and key, and the field: what pydantic let through."""
+    for field in schema:
+        for i, value in enumerate(columns[field.name]):
+            try:
+                pa.array([value], type=field.type)
+            except (pa.ArrowException, UnicodeEncodeError, OverflowError) as exc:
+                key = columns[model.key][i] if model.key in columns else "?"
+                return RowError(f"table {table!r}, row {i} ({model.key}={key}): field {field.name!r}: {exc}")
+    return None

@@ -369,6 +369,18 @@ def test_row_error_leaves_table_untouched(catalog: Catalog) -> None:
     assert sorted(catalog.data_dir("queries").iterdir()) == files_before
 
 
+@pytest.mark.parametrize(("field", "value"), [("instruction", "open \ud83d"), ("max_steps", 2**64)])
+def test_a_value_arrow_refuses_is_named_with_its_table_row_and_field(catalog: Catalog, field: str,
+                                                                      value: object) -> None:
+    # Half a character (a model's escaped emoji cut off) and an integer past 64 bits pass pydantic; Arrow's own
+    # UnicodeEncodeError and OverflowError named no table, row or field.
+    bad = query_row("q3")
+    bad[field] = value
+    with pytest.raises(RowError, match=rf"table 'queries', row 1 \(query_id=q3\): field '{field}'"):
+        catalog.commit_rows("queries", [query_row("q2"), bad], lineage("qg-2"))
+    assert catalog.history("queries") == []
+
+
 def test_diff(catalog: Catalog) -> None:
     a = catalog.commit_rows("queries", [query_row("q0"), query_row("q1"), query_row("q2")], lineage("qg-1"))
     rows_b = [query_row("q1", instruction="open the note titled groceries"), query_row("q2"), query_row("q3")]

@@ -112,6 +112,9 @@ def test_parse_one_json_object(text):
         ('{"label": "MAYBE", "reason": "r"}', "does not match Judgement: label"),
         ('{"label": "GOOD"}', "reason: Field required"),
         ('{"label": "GOOD", "reason": "r", "label": "HARMFUL"}', "key 'label' given more than once"),
+        # Half an escaped emoji, cut at max_tokens: no text a table can hold. NaN: no JSON value.
+        ('{"label": "GOOD", "reason": "it shows \\ud83d"}', "a string holds half a character"),
+        ('{"label": "GOOD", "reason": "r", "score": NaN}', "NaN is not a JSON value"),
     ],
 )
 def test_parse_json_is_strict(text, error):
