@@ -100,12 +100,17 @@ def _assert_equal_nights(reference: Path, folder: Path, warehouse: WarehouseSett
 
 def test_a_night_on_two_dask_workers_equals_the_thread_runners(postgres_url, cluster, replay_night,
                                                                trajforge_cli, tmp_path) -> None:
+    from distributed import Client, get_task_stream
+
     reference, _ = replay_night
     warehouse = _night_folder(tmp_path, postgres_url, cluster.address)
-    proc, log = _night(trajforge_cli, tmp_path)
-    out = _finish(proc, log)
+    with Client(cluster.address, timeout=60) as client, get_task_stream(client) as stream:
+        proc, log = _night(trajforge_cli, tmp_path)
+        out = _finish(proc, log)
     assert proc.returncode == 0, out[-4000:]
     assert f"Connecting to an existing Dask cluster at {cluster.address}" in out
+    # The scheduler's record of every task the night's client sent: the shards ran on both workers, not one.
+    assert len({task["worker"] for task in stream.data}) == 2, stream.data
     _assert_equal_nights(reference, tmp_path, warehouse)
 
 
