@@ -48,6 +48,7 @@ stages = sa.Table(
     sa.Column("total_shards", sa.Integer, nullable=False),
     sa.Column("snapshots", sa.Text, doc="JSON: table -> snapshot id once committed."),
     sa.Column("planned", sa.Text, doc="JSON: the unit keys a StageDef.once stage's first plan kept ({}: not kept)."),
+    sa.Column("inputs", sa.Text, doc="JSON: table -> the snapshot id the stage reads, from its first plan."),
 )
 
 shards = sa.Table(
@@ -268,16 +269,31 @@ class Ledger:
                 .values(status="done", finished_at=_now(), summary=json.dumps(summary))
             )
 
-    def plan_stage(self, run_id: str, stage: str, total_shards: int, planned: list[str] | None = None) -> None:
-        """The stage's first plan in this run: its shard count and, for a `StageDef.once` stage, the unit keys it
-        kept (`planned_units`); a resume's plan changes neither."""
+    def plan_stage(self, run_id: str, stage: str, total_shards: int, planned: list[str] | None = None,
+                   inputs: dict[str, int] | None = None) -> None:
+        """The stage's first plan in this run: its shard count, the input versions it reads (retention keeps them
+        while the run is unfinished: `unfinished_inputs`) and, for a `StageDef.once` stage, the unit keys it kept
+        (`planned_units`); a resume's plan changes none of them."""
         with self.engine.begin() as conn:
             exists = conn.execute(
                 sa.select(stages.c.stage).where(stages.c.run_id == run_id, stages.c.stage == stage)
             ).first()
             if exists is None:
                 conn.execute(stages.insert().values(run_id=run_id, stage=stage, total_shards=total_shards,
-                                                    planned=json.dumps(planned) if planned is not None else None))
+                                                    planned=json.dumps(planned) if planned is not None else None,
+                                                    inputs=json.dumps(inputs or {})))
+
+    def unfinished_inputs(self) -> dict[str, set[int]]:
+        """Table -> the versions the stages of runs not finished read: a run given `--input TABLE@VERSION` that
+        crashed before its commit resumes from that version."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(stages.c.inputs).join(runs, runs.c.run_id == stages.c.run_id)
+                                .where(runs.c.status == "running")).scalars().all()
+        out: dict[str, set[int]] = {}
+        for value in rows:
+            for table, snapshot in (json.loads(value) if value else {}).items():
+                out.setdefault(table, set()).add(int(snapshot))
+        return out
 
     def planned_units(self, run_id: str, stage: str) -> set[str] | None:
         """The unit keys this run's first plan of a `StageDef.once` stage kept; None before it (or where a

@@ -17,7 +17,8 @@ asked (`collect_checkpoints`: weights cost a training run to make again), and ne
 (the next night's policy) nor one the config names; their rows stay in the `checkpoints` table.
 
 What an unfinished run may still commit is never removed: files younger than the cutoff, and
-the shard files the run ledger lists for runs not finished (a crashed run resumes from them). Nor
+the shard files the run ledger lists for runs not finished (a crashed run resumes from them), and
+the versions its stages read (`trajforge run STAGE --input TABLE@VERSION`). Nor
 what it has committed so far, with the versions those were made from: its rerun finds each commit
 by its key and reads its later stages' inputs by version id, so an expired one would be committed
 a second time (an overwrite table would roll back to it) or stop the rerun.
@@ -150,9 +151,11 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
     cutoff_ms = int(cutoff.timestamp() * 1000)
     pending = {Path(p) for p in ledger.unfinished_files()}
     unfinished = ledger.unfinished_runs()
+    read = ledger.unfinished_inputs()  # what such a run's stages read, committed or not
     tables = {name: catalog.iceberg.load_table((catalog.namespace, name)) for name in catalog.tables()}
     keep = {name: _protected(tbl) | {s.snapshot_id for s in tbl.metadata.snapshots
-                                     if s.timestamp_ms >= cutoff_ms or _run_of(s) in unfinished}
+                                     if s.timestamp_ms >= cutoff_ms or _run_of(s) in unfinished
+                                     or s.snapshot_id in read.get(name, ())}
                   | _last_of_runs_with_rows(tbl)
             for name, tbl in tables.items()}
     # A kept version's lineage names the versions it was made from: they stay, so it can be explained and rerun.

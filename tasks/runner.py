@@ -94,7 +94,8 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         replaces = {stage.key(u): value(u) for u in units}
     shards = [Shard(digest("\n".join(stage.key(u) for u in chunk)), chunk)
               for chunk in even_chunks(units, stage.shard_size(ws.settings))]
-    ws.ledger.plan_stage(run_id, stage.name, len(shards), [stage.key(u) for u in units] if stage.once else None)
+    ws.ledger.plan_stage(run_id, stage.name, len(shards), [stage.key(u) for u in units] if stage.once else None,
+                         inputs.snapshots)
     done = {r.shard_id for r in ws.ledger.shards_done(run_id, stage.name)}
     return StagePlan(
         stage=stage,

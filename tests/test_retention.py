@@ -168,6 +168,23 @@ def test_what_an_unfinished_run_committed_stays_so_its_rerun_commits_it_once(tmp
     assert expire(fresh, blobs, ledger, timedelta(0), now=later).snapshots == {"queries": [ours]}
 
 
+def test_the_version_an_unfinished_run_reads_stays_though_it_committed_nothing(tmp_path: Path) -> None:
+    """`trajforge run rollout --input queries@V` recorded a shard and crashed before its commit; queries moved on.
+    V is no version the run committed nor one a kept version names, and expire took it: the rerun could not read
+    its input, and its recorded shards stayed pending for ever."""
+    catalog = Catalog(tmp_path / "warehouse")
+    blobs, ledger = BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri)
+    read = catalog.commit_rows("queries", [query_row("q1")], lineage("a", run_id="a"), mode="overwrite")
+    catalog.commit_rows("queries", [query_row("q2", run_id="b")], lineage("b", run_id="b"), mode="overwrite")
+    crashed = ledger.open_run("rollout", f"rollout-of-queries@{read}").run_id
+    ledger.plan_stage(crashed, "rollout", 2, inputs={"queries": read})
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    assert expire(catalog, blobs, ledger, timedelta(0), now=later).snapshots == {}
+    assert Catalog(tmp_path / "warehouse").load("queries", read)["query_id"].to_list() == ["q1"]
+    ledger.finish_run(crashed, {})
+    assert expire(catalog, blobs, ledger, timedelta(0), now=later).snapshots == {"queries": [read]}
+
+
 def test_expire_keeps_what_is_younger_than_the_cutoff(tmp_path: Path) -> None:
     catalog = Catalog(tmp_path / "warehouse")
     blobs = BlobStore(catalog.warehouse / "blobs")
