@@ -169,15 +169,17 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
     kept: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     stats: Counter[str] = Counter(plan.input_stats)
-    models: dict[str, str] = {}
-    prompts: dict[str, str] = {}
+    # Every model and prompt version a shard used: a run resumed after a prompt's fix has rows of both.
+    models: dict[str, set[str]] = {}
+    prompts: dict[str, set[str]] = {}
     files: dict[str, list[str]] = {t: [] for t in stage.writes}
     for r in records:
         kept.update(r.kept)
         dropped.update(r.dropped)
         stats.update(r.stats)
-        models.update(r.models)
-        prompts.update(r.prompts)
+        for used, seen in ((r.models, models), (r.prompts, prompts)):
+            for name, value in used.items():
+                seen.setdefault(name, set()).add(value)
         for table, paths in r.files.items():
             files[table].extend(paths)
     ws.ledger.check_writing()  # a run that lost the warehouse (its lock's connection dropped) commits nothing
@@ -190,8 +192,8 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             inputs=plan.inputs,
             config_hash=plan.config_hash,
             code_version=code_version(),
-            models=models,
-            prompts=prompts,
+            models={name: ",".join(sorted(values)) for name, values in sorted(models.items())},
+            prompts={name: ",".join(sorted(values)) for name, values in sorted(prompts.items())},
             kept={table: kept.get(table, 0)},
             dropped=dict(dropped),
             stats=dict(stats),

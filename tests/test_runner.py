@@ -137,6 +137,28 @@ def test_a_late_attempt_of_a_committed_shard_changes_no_committed_row(ws, run_id
     assert ws.catalog.load("queries", committed).equals(before)
 
 
+def test_a_resume_with_a_new_prompt_version_names_both_in_the_lineage(ws, run_id):
+    """Shards done before a crash used prompt 1, the resume's prompt 2: the rows are of both, and the lineage had
+    named one of them, whichever shard came last."""
+    calls: list[str] = []
+    version = {"test": "1"}
+
+    def versioned(stage: StageDef) -> StageDef:
+        def run(units, ws, run_id, config_hash):
+            out = stage.run(units, ws, run_id, config_hash)
+            out.prompts = dict(version)
+            return out
+        return dataclasses.replace(stage, run=run)
+
+    p = plan(versioned(make_stage(calls, fail_on="app4")), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    version["test"] = "2"
+    snapshots = run_all(versioned(make_stage(calls)), ws, run_id)
+    assert ws.catalog.lineage("queries", snapshots["queries"]).prompts == {"test": "1,2"}
+
+
 def _relabelled(out: StageOutput) -> StageOutput:
     out.rows["queries"] = [{**q, "instruction": "done late"} for q in out.rows["queries"]]
     return out
