@@ -39,7 +39,7 @@ from pyiceberg.exceptions import (
     ValidationException,
 )
 from pyiceberg.expressions import AlwaysTrue, In
-from pyiceberg.io.pyarrow import parquet_file_to_data_file
+from pyiceberg.io.pyarrow import _pyarrow_to_schema_without_ids, parquet_file_to_data_file
 from pyiceberg.manifest import DataFile, DataFileContent, ManifestFile
 from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.table.metadata import TableMetadata
@@ -276,6 +276,24 @@ def commit_key(run_id: str, stage: str, table: str) -> str:
     return f"{run_id}:{stage}:{table}"
 
 
+_PROMOTIONS = {("int", "long"), ("float", "double")}
+"""The type changes Iceberg reads old files through."""
+
+
+def _changed_types(tbl: Table, schema: pa.Schema) -> list[str]:
+    """'column: old -> new' for each column of both the table and `schema` whose type differs, beyond a
+    promotion Iceberg allows. (pyiceberg's conversion without field ids, as our tables have no name mapping;
+    pyiceberg is pinned to a minor version in pyproject.toml.)"""
+    current = tbl.schema()
+    common = pa.schema([f for f in schema if f.name in current.column_names])
+    changed = []
+    for field in _pyarrow_to_schema_without_ids(common).fields:
+        old, new = str(current.find_field(field.name).field_type), str(field.field_type)
+        if old != new and (old, new) not in _PROMOTIONS:
+            changed.append(f"{field.name}: {old} -> {new}")
+    return changed
+
+
 def _commit_file_stem(commit_key: str) -> str:
     """A file name derived from the commit key, so a rerun of a crashed commit rewrites the same file."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", commit_key).strip("._")[:80]
@@ -468,14 +486,23 @@ class Catalog:
         return tbl
 
     def _evolve(self, tbl: Table, model: type[Record], schema: pa.Schema) -> Table:
-        """Add the model's new columns to the table (they must be optional: old rows lack them)."""
+        """Add the model's new columns to the table (they must be optional: old rows lack them), and make a
+        required column the model no longer has optional (new rows lack it). A column whose type the model
+        changed is refused here, when a stage first writes the table: the commit refused it after every shard
+        had run, naming neither table nor file, and every rerun did the same."""
         for attempt in _retrying():
             with attempt:
                 tbl.refresh()
                 existing = {f.name for f in tbl.schema().fields}
                 new = [f for f in schema if f.name not in existing]
+                gone = [f.name for f in tbl.schema().fields if f.name not in schema.names and f.required]
                 version = str(model.schema_version)
-                if not new and tbl.properties.get(SCHEMA_VERSION_KEY) == version:
+                if changed := _changed_types(tbl, schema):
+                    raise CatalogError(
+                        f"table {model.table!r}: {model.__name__} changes the type of column(s) "
+                        f"{', '.join(changed)}; the table's files keep the old type, so a column of another type "
+                        "needs a new name")
+                if not new and not gone and tbl.properties.get(SCHEMA_VERSION_KEY) == version:
                     return tbl
                 required = [f.name for f in new if not f.nullable]
                 if required:
@@ -485,9 +512,12 @@ class Catalog:
                         "optional (`X | None = None` or a default)"
                     )
                 with _Transaction(tbl) as tx:
-                    if new:
+                    if new or gone:
                         with tx.update_schema() as update:
-                            update.union_by_name(schema)
+                            if new:
+                                update.union_by_name(schema)
+                            for name in gone:
+                                update.make_column_optional(name)
                     tx.set_properties(**{SCHEMA_VERSION_KEY: version})
                 return tbl
         raise AssertionError("unreachable")  # pragma: no cover - Retrying re-raises

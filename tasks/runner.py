@@ -71,6 +71,8 @@ def even_chunks(units: list[Unit], size: int) -> list[list[Unit]]:
 def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> StagePlan:
     """Load the stage's inputs and list the shards this run has not finished yet."""
     inputs = stage.load(ws, input_snapshot)
+    for table in stage.writes:  # created, or evolved to the code's records, before any work: a change no
+        ws.catalog.table(table)  # table can take is refused now, not at the commit after every shard has run
     config = config_hash(ws.settings, stage.sections, inputs.fingerprint)
     units = sorted(inputs.units, key=stage.key)
     stats = Counter(inputs.stats)
