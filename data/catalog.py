@@ -287,10 +287,10 @@ def _changed_types(tbl: Table, schema: pa.Schema) -> list[str]:
     current = tbl.schema()
     common = pa.schema([f for f in schema if f.name in current.column_names])
     changed = []
-    for field in _pyarrow_to_schema_without_ids(common).fields:
-        old, new = str(current.find_field(field.name).field_type), str(field.field_type)
+    for column in _pyarrow_to_schema_without_ids(common).fields:
+        old, new = str(current.find_field(column.name).field_type), str(column.field_type)
         if old != new and (old, new) not in _PROMOTIONS:
-            changed.append(f"{field.name}: {old} -> {new}")
+            changed.append(f"{column.name}: {old} -> {new}")
     return changed
 
 

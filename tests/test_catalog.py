@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import sqlalchemy
-from pydantic import Field, create_model
 from polars.exceptions import PerformanceWarning
+from pydantic import Field, create_model
 
 from trajforge.data.catalog import (
     TABLE_PROPERTIES,
