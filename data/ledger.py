@@ -279,8 +279,10 @@ class Ledger:
                 sa.select(stages.c.stage).where(stages.c.run_id == run_id, stages.c.stage == stage)
             ).first()
             if exists is None:
+                # '{}', not NULL, for a stage that keeps no plan: a ledger made before the column was added
+                # has it NOT NULL (`_add_missing_columns`).
                 conn.execute(stages.insert().values(run_id=run_id, stage=stage, total_shards=total_shards,
-                                                    planned=json.dumps(planned) if planned is not None else None,
+                                                    planned=json.dumps(planned if planned is not None else {}),
                                                     inputs=json.dumps(inputs or {})))
 
     def unfinished_inputs(self) -> dict[str, set[int]]:

@@ -137,6 +137,25 @@ def test_a_late_attempt_of_a_committed_shard_changes_no_committed_row(ws, run_id
     assert ws.catalog.load("queries", committed).equals(before)
 
 
+def test_a_ledger_made_by_older_code_takes_the_stage_columns_added_since(tmp_path, run_id):
+    """A ledger outlives code versions: the stage columns added later (a once stage's plan, the inputs read) are
+    added to it, NOT NULL with '{}' for its rows, and a stage planned on it afterwards writes none of them NULL."""
+    import sqlalchemy as sa
+
+    from trajforge.data.ledger import Ledger
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    with Ledger(url).engine.begin() as conn:  # the table as code before those columns made it
+        for column in ("planned", "inputs"):
+            conn.execute(sa.text(f"ALTER TABLE trajforge_stages DROP COLUMN {column}"))
+    ledger = Ledger(url)
+    run = ledger.open_run("nightly", run_id).run_id
+    ledger.plan_stage(run, "critics", 2, inputs={"steps": 7})
+    ledger.plan_stage(run, "reasoning", 1, ["unit-1"])
+    assert ledger.planned_units(run, "critics") is None and ledger.planned_units(run, "reasoning") == {"unit-1"}
+    assert ledger.unfinished_inputs() == {"steps": {7}}
+
+
 def test_a_resume_with_a_new_prompt_version_names_both_in_the_lineage(ws, run_id):
     """Shards done before a crash used prompt 1, the resume's prompt 2: the rows are of both, and the lineage had
     named one of them, whichever shard came last."""
