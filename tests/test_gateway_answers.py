@@ -4,49 +4,21 @@ for answers a real model server cannot be made to give on demand."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import pytest
-from pydantic import BaseModel
 from scripted import GOOD, Reply, ScriptedServer
-
-from trajforge.llm import Gateway, load_prompt
-from trajforge.schemas.config import LLMSettings
-
-PROMPT = """
-version: 1
-format: json
-sampling: {max_tokens: 30}
-messages:
-  - role: user
-    content: "Judge: {{ step }}"
-"""
-
-
-class Judgement(BaseModel):
-    label: Literal["GOOD", "HARMFUL"]
-    reason: str
-
-
-def gateway(url: str, db_url: str | None = None) -> Gateway:
-    endpoint = {"base_url": url, "model": "scripted", "max_retries": 0, "timeout_s": 5}
-    settings = LLMSettings.model_validate(
-        {"endpoints": {"s": endpoint}, "default": "s", "reask": 1, "cache": db_url is not None}
-    )
-    return Gateway(settings, db_url=db_url)
+from test_llm_failures import Judgement, gateway, judge_prompt
 
 
 @pytest.fixture
 def judge(tmp_path):
-    (tmp_path / "judge.yaml").write_text(PROMPT)
-    return load_prompt("judge", tmp_path).render(step="clicked Save")
+    return judge_prompt(tmp_path)
 
 
 def test_an_answer_whose_reask_failed_is_kept_unparsed_with_both_calls(judge):
     """The first answer came back (and was paid for): a re-ask that gets none leaves it unparsed, as one not
     re-asked, and says why in its own record; the caller gets no GatewayError for a row it could keep."""
     unparsed = "GOOD, because it saved"
-    with ScriptedServer(Reply(text=unparsed), Reply(status=400)) as server, gateway(server.url) as gw:
+    with ScriptedServer(Reply(text=unparsed), Reply(status=400)) as server, gateway(server.url, max_retries=0) as gw:
         result = gw.chat_sync(judge, schema=Judgement)
         assert (gw.stats.reasks, gw.stats.errors, gw.stats.parse_failures) == (1, 1, 1)
     assert result.parsed is None and result.text == unparsed
@@ -68,7 +40,7 @@ def test_only_answers_the_model_finished_are_cached(judge, tmp_path, finish_reas
     """An answer the server aborted, failed or withheld is not the model's answer to keep for every rerun."""
     db = f"sqlite:///{tmp_path / 'catalog.db'}"
     with ScriptedServer(Reply(text=text, finish_reason=finish_reason), Reply()) as server, \
-            gateway(server.url, db_url=db) as gw:
+            gateway(server.url, db_url=db, max_retries=0) as gw:
         first = gw.chat_sync(judge)
         again = gw.chat_sync(judge)
     assert first.record.finish_reason == finish_reason and first.text == (text or "")
@@ -80,7 +52,7 @@ def test_only_answers_the_model_finished_are_cached(judge, tmp_path, finish_reas
 def test_token_totals_count_only_what_the_endpoint_was_asked(judge, tmp_path):
     """A rerun answered from the cache spends no tokens; each call's record still says what its answer took."""
     db = f"sqlite:///{tmp_path / 'catalog.db'}"
-    with ScriptedServer(Reply()) as server, gateway(server.url, db_url=db) as gw:
+    with ScriptedServer(Reply()) as server, gateway(server.url, db_url=db, max_retries=0) as gw:
         asked = gw.chat_sync(judge)
         cached = gw.chat_sync(judge)
         assert (gw.stats.calls, gw.stats.cache_hits) == (2, 1)

@@ -14,6 +14,7 @@ import logging
 import os
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -22,7 +23,7 @@ from pydantic import BaseModel
 from scripted import GOOD, Reply, ScriptedServer
 
 from trajforge.data.catalog import Lineage
-from trajforge.llm import ChatResult, Gateway, GatewayError, Sampling, load_prompt
+from trajforge.llm import ChatResult, Gateway, GatewayError, RenderedPrompt, Sampling, load_prompt
 from trajforge.llm.cache import responses
 from trajforge.schemas.config import LLMSettings, Settings, load_settings
 
@@ -52,10 +53,15 @@ def gateway(url: str, *, reask: int = 1, db_url: str | None = None, **overrides:
     return Gateway(settings, db_url=db_url)
 
 
+def judge_prompt(folder: Path) -> RenderedPrompt:
+    """The judge prompt, rendered for one step (written to `folder` first)."""
+    (folder / "judge.yaml").write_text(PROMPT)
+    return load_prompt("judge", folder).render(step="clicked Save")
+
+
 @pytest.fixture
 def judge(tmp_path):
-    (tmp_path / "judge.yaml").write_text(PROMPT)
-    return load_prompt("judge", tmp_path).render(step="clicked Save")
+    return judge_prompt(tmp_path)
 
 
 def test_429_is_retried(judge):

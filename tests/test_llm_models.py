@@ -349,6 +349,20 @@ def tiny_vl(tmp_path_factory) -> Path:
     return folder
 
 
+def test_an_image_the_local_model_cannot_read_fails_that_request_as_a_gateway_error(tiny_vl, say):
+    """A request the in-process model cannot answer fails that request alone, as an endpoint's error does: a
+    GatewayError whose record says why, so a stage drops the one row and counts it (a raw UnidentifiedImageError
+    crashed the stage)."""
+    broken = say.render(question="click Checkout", screenshots=[ImagePart(png=b"not a png")])
+    with Gateway(LLMSettings(local={"model": str(tiny_vl)}, cache=False)) as gw:
+        with pytest.raises(GatewayError) as err:
+            gw.chat_sync(broken)
+        assert gw.stats.errors == 1 and gw.stats.calls == 0
+    record = err.value.record
+    assert (record.model_id, record.backend, record.observation_mode) == (str(tiny_vl), "transformers", "image")
+    assert record.error.startswith(f"local model {tiny_vl}: UnidentifiedImageError: cannot identify image file")
+
+
 def test_local_vision_checkpoint_sees_the_image_in_process_and_over_http(tiny_vl, say, tmp_path):
     image = screenshot("Checkout")
     prompt = say.render(
