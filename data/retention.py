@@ -4,7 +4,9 @@ Nightly runs only add: every version keeps its Parquet files and every screensho
 the blob store. `expire` takes a cutoff and, per table, expires the versions committed
 before it except the protected ones (every tagged version, so `nightly-*` and hand-made tags
 stay readable; each table's current version; and every version a kept version's lineage
-names as its input, so each kept version can still be explained and its stage rerun); then
+names as its input, so each kept version can still be explained and its stage rerun; and the
+last version of each run whose rows the table's current version still holds, since a table that
+accumulates, such as verdicts, orders its rows by their runs' versions: `Catalog.newest`); then
 removes the data files no remaining version references, the metadata files no remaining version
 needs (expired versions' manifest lists, manifests only they listed), and the blobs whose hash no
 remaining row mentions (a hash is found in any string column, JSON included, so a new table
@@ -156,7 +158,6 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
     keep = {name: _protected(tbl) | {s.snapshot_id for s in tbl.metadata.snapshots
                                      if s.timestamp_ms >= cutoff_ms or _run_of(s) in unfinished
                                      or s.snapshot_id in read.get(name, ())}
-                  | _last_of_runs_with_rows(tbl)
             for name, tbl in tables.items()}
     # A kept version's lineage names the versions it was made from: they stay, so it can be explained and rerun.
     # So do the versions its stage run committed beside it (a rollout's steps beside its episodes, a critics run's
@@ -180,6 +181,8 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
                     if table in keep and input_sid not in keep[table] and tables[table].snapshot_by_id(input_sid):
                         keep[table].add(input_sid)
                         grown = True
+    for name, tbl in tables.items():  # for the order of the rows' runs only: their inputs may go
+        keep[name] |= _last_of_runs_with_rows(tbl)
     out = Expiry()
     referenced: set[Path] = set()
     for name, tbl in tables.items():

@@ -138,10 +138,14 @@ def test_a_verdict_judged_again_stays_the_newest_after_the_older_judges_versions
     catalog = Catalog(tmp_path / "warehouse")
     night = catalog.commit_rows("verdicts", [verdict_row("nightly-1", "e1", False)], lineage("n1", run_id="nightly-1"))
     catalog.tag("verdicts", night, "nightly-2026-01-01")
-    by_hand = catalog.commit_rows("verdicts", [verdict_row("critics-1", "e1", True)], lineage("c1", run_id="critics-1"))
+    read = catalog.commit_rows("queries", [query_row("q1")], lineage("q1"), mode="overwrite")
+    by_hand = catalog.commit_rows("verdicts", [verdict_row("critics-1", "e1", True)],
+                                  lineage("c1", "critics", run_id="critics-1", inputs={"queries": read}))
+    catalog.commit_rows("queries", [query_row("q2")], lineage("q2"), mode="overwrite")
     catalog.commit_rows("verdicts", [verdict_row("nightly-2", "e9", True)], lineage("n2", run_id="nightly-2"))
     later = datetime.now(timezone.utc) + timedelta(seconds=5)
-    expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
+    gone = expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
+    assert gone.snapshots == {"queries": [read]}  # kept for its order alone, the version keeps no input
     newest = Catalog(tmp_path / "warehouse").newest("verdicts", "episode_id").sort("episode_id")
     assert newest.select("episode_id", "run_id", "success").rows() == [("e1", "critics-1", True),
                                                                          ("e9", "nightly-2", True)]
