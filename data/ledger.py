@@ -297,6 +297,14 @@ class Ledger:
                 out.setdefault(table, set()).add(int(snapshot))
         return out
 
+    def forget_stage(self, run_id: str, stage: str) -> None:
+        """Set aside this run's plan and shards of a stage not committed, so it is planned and done anew (their
+        files stay until `expire`: no version references them)."""
+        with self.engine.begin() as conn:
+            conn.execute(shards.delete().where(shards.c.run_id == run_id, shards.c.stage == stage))
+            conn.execute(stages.delete().where(stages.c.run_id == run_id, stages.c.stage == stage,
+                                               stages.c.snapshots.is_(None)))
+
     def planned_units(self, run_id: str, stage: str) -> set[str] | None:
         """The unit keys this run's first plan of a `StageDef.once` stage kept; None before it (or where a
         ledger of older code kept none)."""

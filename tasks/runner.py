@@ -78,16 +78,7 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
     stats = Counter(inputs.stats)
     once_hash = digest(f"{config}:{code_version()}:{prompts_fingerprint()}") if stage.once else ""
     if stage.once:
-        # A resume keeps the units its first plan kept: what other runs did in between, or a code fix that
-        # changed `once_hash`, would plan other shards than the ones recorded, and the stage could never commit.
-        planned = ws.ledger.planned_units(run_id, stage.name)
-        if planned is None:
-            done = ws.ledger.units_done(stage.name, once_hash, besides=run_id)
-            planned = {key for u in units if (key := stage.key(u)) not in done}
-        kept = [u for u in units if stage.key(u) in planned]
-        if len(kept) < len(units):
-            stats["already done by an earlier run with this configuration"] += len(units) - len(kept)
-        units = kept
+        units = _once_units(stage, ws, run_id, units, once_hash, stats)
     withdraw: Withdrawal | None = None
     replaces: dict[str, str] | None = None
     if stage.replaces is not None:
@@ -112,6 +103,33 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
         withdraw=withdraw,
         replaces=replaces,
     )
+
+
+def _once_units(stage: Stage, ws: Workspace, run_id: str, units: list[Unit], once_hash: str,
+                stats: Counter[str]) -> list[Unit]:
+    """The units a `StageDef.once` stage does in this run: those no other run did with this configuration; on a
+    resume, the ones its first plan kept. A code or prompt fix between the crash and the resume changes
+    `once_hash`, and planning again would make other shards than the ones recorded, which the commit refuses on
+    every rerun. Where another run has since done some of them (`trajforge run STAGE` by hand), the stage is
+    planned again, its recorded shards set aside: committing them would write those units' rows twice."""
+    done = ws.ledger.units_done(stage.name, once_hash, besides=run_id)
+    planned = ws.ledger.planned_units(run_id, stage.name)
+    if planned is not None and planned & done and not _landed(stage, ws, run_id):
+        ws.ledger.forget_stage(run_id, stage.name)
+        planned = None
+    if planned is None:
+        planned = {key for u in units if (key := stage.key(u)) not in done}
+    for u in units:
+        if (key := stage.key(u)) not in planned:
+            stats["already done by an earlier run with this configuration" if key in done
+                  else "left out by this run's first plan of the stage"] += 1
+    return [u for u in units if stage.key(u) in planned]
+
+
+def _landed(stage: Stage, ws: Workspace, run_id: str) -> bool:
+    """Whether any of the stage's tables holds this run's commit (a crash between two of its table commits)."""
+    return any(ws.catalog.find_commit(table, commit_key(run_id, stage.name, table)) is not None
+               for table in stage.writes)
 
 
 def _write_parquet(ws: Workspace, table: str, name: str, rows: list[Any]) -> str:

@@ -137,6 +137,22 @@ def test_a_late_attempt_of_a_committed_shard_changes_no_committed_row(ws, run_id
     assert ws.catalog.load("queries", committed).equals(before)
 
 
+def test_a_once_stage_whose_units_another_run_did_meanwhile_is_planned_again_not_written_twice(ws, run_id):
+    """The night planned the seven units and crashed; `trajforge run demo` by hand did all seven and committed.
+    The night's resume plans again (nothing is left to do) rather than commit its recorded shards, which would
+    write those units' rows a second time."""
+    calls: list[str] = []
+    p = plan(once(make_stage(calls, fail_on="app5")), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    run_all(once(make_stage(calls)), ws, f"{run_id}-by-hand")
+    snapshots = run_all(once(make_stage(calls)), ws, run_id)
+    assert sorted(ws.catalog.load("queries")["app"]) == APPS
+    assert ws.catalog.lineage("queries", snapshots["queries"]).stats == {
+        "already done by an earlier run with this configuration": len(APPS)}
+
+
 def test_a_ledger_made_by_older_code_takes_the_stage_columns_added_since(tmp_path, run_id):
     """A ledger outlives code versions: the stage columns added later (a once stage's plan, the inputs read) are
     added to it, NOT NULL with '{}' for its rows, and a stage planned on it afterwards writes none of them NULL."""
@@ -376,8 +392,9 @@ def test_a_once_stage_resumed_after_a_code_or_prompt_fix_finishes_the_units_it_p
     template.write_text("version: '2'\n")
     snapshots = run_all(once(make_stage(calls)), ws, run_id)
     assert sorted(ws.catalog.load("queries")["app"]) == APPS
+    # Done by the earlier run with the configuration before the fix: this run's first plan left them out.
     assert ws.catalog.lineage("queries", snapshots["queries"]).stats == {
-        "already done by an earlier run with this configuration": 3}
+        "left out by this run's first plan of the stage": 3}
 
 
 def test_a_unit_key_done_before_another_key_replaced_it_is_done_again(ws, run_id):
