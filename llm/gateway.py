@@ -62,12 +62,15 @@ class GatewayStats:
     prompts: dict[str, str] = field(default_factory=dict)  # template -> version, for Lineage.prompts
 
 
+UNFINISHED = frozenset({"abort", "error", "content_filter"})
+"""Finish reasons of an answer the server cut short (vLLM's and SGLang's abort and error, OpenAI's filter)."""
+
+
 def _finished(answer: Completion) -> bool:
-    """Whether asking again would give this answer, so the cache may keep it: the model stopped, or reached
-    max_tokens (the same again under the same sampling). An answer the server aborted, failed or filtered may
-    differ next time and is not kept forever. An empty answer that stopped is kept: the embedded model's greedy
-    decoding gives it again, and a rerun with nothing new asks no model."""
-    return answer.finish_reason in ("stop", "length")
+    """Whether the cache may keep this answer: not one the server aborted, failed or filtered, which may differ
+    next time. Any other reason is kept (stop, length, and a server's own names or none at all: a rerun with
+    nothing new must ask no model), as is an empty answer (greedy decoding gives it again)."""
+    return answer.finish_reason not in UNFINISHED
 
 
 def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:

@@ -391,10 +391,12 @@ class LocalBackend:
         grammar = constraint.grammar if constraint is not None else None
         try:
             return await asyncio.to_thread(model.generate, messages, sampling, grammar)
-        # This request's failure, as a server's 400 or 500 would be: inputs the model cannot take (an image PIL
-        # cannot read, image tokens the chat template misplaced), a grammar that does not compile or that decoding
-        # left, torch running out of memory (a RuntimeError). The caller drops the one row, as for an endpoint.
+        # This request's failure, as a server's 400 would be: inputs the model cannot take (an image PIL cannot
+        # read, image tokens the chat template misplaced), a grammar that does not compile or that decoding left.
+        # The caller drops the one row, as for an endpoint.
         except (ValueError, RuntimeError, OSError) as exc:
+            if type(exc).__name__ == "OutOfMemoryError":  # torch's: the device, not this request; the shard
+                raise  # fails and its resume asks again, where a dropped row would stay dropped
             raise BackendError(f"local model {self.model_id}: {type(exc).__name__}: {exc}", 1) from exc
 
     async def aclose(self) -> None:

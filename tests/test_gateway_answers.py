@@ -35,6 +35,7 @@ def test_an_answer_whose_reask_failed_is_kept_unparsed_with_both_calls(judge):
     ("abort", '{"label": "GO', False),
     ("error", "", False),
     ("content_filter", None, False),
+    ("eos_token", GOOD, True),  # a server's own name for a stop: a rerun asks it nothing
 ])
 def test_only_answers_the_model_finished_are_cached(judge, tmp_path, finish_reason, text, kept):
     """An answer the server aborted, failed or withheld is not the model's answer to keep for every rerun."""
