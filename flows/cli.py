@@ -103,6 +103,17 @@ def _use_app_dirs(app_dirs: list[Path], deep_searched: list[str]) -> None:
     os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = json.dumps(deep_searched)
 
 
+def _add_app_dirs(config: Path | None, app_dirs: list[Path]) -> None:
+    """Add `app_dirs` to the configured ones (query_gen.app_dirs) for a command that reads what a night wrote
+    (`eval critics`, `export`): its episodes may be of every app the config names and of a night's --app-dir."""
+    try:
+        configured = load_settings(config).query_gen.app_dirs
+    except ConfigError:
+        configured = []  # the command's own reading of the config reports it
+    both = dict.fromkeys(str(Path(p).resolve()) for p in [*configured, *app_dirs])  # once each, in order
+    os.environ[f"{ENV_PREFIX}QUERY_GEN__APP_DIRS"] = json.dumps(list(both))
+
+
 def _error(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False, soft_wrap=True)
 
@@ -541,7 +552,7 @@ def eval_critics(
     from trajforge.envs.apps import UnknownAppError
 
     if app_dir:  # the ground truth is the app's own checks: a night's --app-dir is needed again here
-        _use_app_dirs(app_dir, [])
+        _add_app_dirs(config, app_dir)
     _, ws = _open(config)
     with _usage_errors():
         try:
@@ -647,7 +658,7 @@ def export_cmd(
     if fmt not in FORMATS:
         raise _fail(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     if app_dir:
-        _use_app_dirs(app_dir, [])
+        _add_app_dirs(config, app_dir)
     _, ws = _open(config)
     with _usage_errors(ExportError):
         result = export(ws.catalog, ref, fmt, out, added_only=added)

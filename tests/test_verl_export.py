@@ -144,11 +144,11 @@ def test_only_a_queries_version_into_a_new_folder(night, tmp_path):
 
 def _queries_of(catalog: Catalog, app: str) -> None:
     """One "add one" query of the counter app directory as query generation writes it, committed as queries."""
-    query = Query(run_id="r", query_id="q-count", app=app, source="page_graph",
+    query = Query(run_id="r", query_id=f"q-{app}", app=app, source="page_graph",
                   instruction="Add one to the count, so it reads 1", path=["counter", "added"], slots_json='{"n": "1"}',
                   checker="added_once", checker_params_json='{"n": "1"}', max_steps=5, generator="tests",
                   created_at=datetime.now(timezone.utc))
-    catalog.commit_rows("queries", [query], Lineage(stage="query_gen", run_id="r", commit_key="r/queries",
+    catalog.commit_rows("queries", [query], Lineage(stage="query_gen", run_id="r", commit_key=f"r/queries/{app}",
                                                     config_hash="c", code_version="v"))
 
 
@@ -200,3 +200,13 @@ def test_the_cli_export_takes_the_nights_app_dir(tmp_path, trajforge_cli):
     done = subprocess.run([*args, "--app-dir", "counter"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "verl" / "apps" / "counter-cli" / "spec.yaml").is_file()
+    # Beside the apps the config names, not instead of them: queries of both export with one --app-dir.
+    shutil.copytree(tmp_path / "counter", tmp_path / "other")
+    (tmp_path / "other" / "spec.yaml").write_text(
+        (COUNTER / "spec.yaml").read_text().replace("app: counter", "app: counter-configured"))
+    (tmp_path / "trajforge.yaml").write_text("query_gen:\n  app_dirs: [other]\n")
+    _queries_of(workspace(tmp_path).catalog, "counter-configured")
+    both = subprocess.run([*args[:-1], "verl-both", "--app-dir", "counter"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert both.returncode == 0, both.stderr
+    assert sorted(p.name for p in (tmp_path / "verl-both" / "apps").iterdir()) == ["counter-cli", "counter-configured"]
