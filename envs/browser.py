@@ -593,8 +593,13 @@ class BrowserEnv:
         return self._call(self._reset(session_id, url, app_protocol, script), "reset")
 
     async def _reset(self, session_id: str, url: str, app_protocol: bool, script: str | None) -> Any:
-        if self._broken or self._page is None or self._page.is_closed() or not self._browser_alive() \
-                or not await self._clear_storage():
+        # A user's app's recorder (`add_recorder`) stays on its context, and its binding would take the reports a
+        # bundled app's page sends its own server: such an episode after one on a user's app gets a fresh context.
+        stale_recorder = app_protocol and self._recorder is not None
+        if stale_recorder or self._broken or self._page is None or self._page.is_closed() \
+                or not self._browser_alive() or not await self._clear_storage():
+            if stale_recorder:
+                self._recorder = None
             if self._context is not None:
                 with contextlib.suppress(PlaywrightError):  # the old one is dead already
                     await self._context.close()

@@ -86,11 +86,8 @@
     const page = location.pathname + location.search;
     const at = performance.timeOrigin + performance.now();
     const body = JSON.stringify(events.map((e) => ({ ...e, page, at })));
-    // A page that loads the recorder itself has a server that takes the reports; the browser's binding may be
-    // there too, left on a pooled context by a user's app that an episode before this one ran on.
-    if (window.__trajforgeReport && !document.querySelector('script[src="/__kit/interactions.js"]')) {
-      window.__trajforgeReport(body);
-    } else navigator.sendBeacon("/__ui", body);
+    if (window.__trajforgeReport) window.__trajforgeReport(body);
+    else navigator.sendBeacon("/__ui", body);
   }
 
   function selected() {
