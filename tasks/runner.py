@@ -126,10 +126,11 @@ def _once_units(stage: Stage, ws: Workspace, run_id: str, units: list[Unit], onc
     return [u for u in units if stage.key(u) in planned]
 
 
-def _landed(stage: Stage, ws: Workspace, run_id: str) -> bool:
-    """Whether any of the stage's tables holds this run's commit (a crash between two of its table commits)."""
-    return any(ws.catalog.find_commit(table, commit_key(run_id, stage.name, table)) is not None
-               for table in stage.writes)
+def _landed(stage: Stage, ws: Workspace, run_id: str) -> dict[str, int]:
+    """Table -> this run's commit of the stage to it, for the tables that hold one (some only: a crash between
+    two of its table commits)."""
+    return {table: version for table in stage.writes
+            if (version := ws.catalog.find_commit(table, commit_key(run_id, stage.name, table))) is not None}
 
 
 def _write_parquet(ws: Workspace, table: str, name: str, rows: list[Any]) -> str:
@@ -173,8 +174,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
     records = ws.ledger.shards_done(run_id, stage.name)
     done = {r.shard_id for r in records}
     if done - plan.shard_ids:
-        landed = {table: version for table in stage.writes
-                  if (version := ws.catalog.find_commit(table, commit_key(run_id, stage.name, table))) is not None}
+        landed = _landed(stage, ws, run_id)
         if len(landed) == len(stage.writes):
             # Every table landed and the process died before the ledger heard of it; the stage's loader reads its
             # own output (train's checkpoints), so it plans otherwise now. What landed is the whole stage.
