@@ -128,10 +128,13 @@ def call_schema(space: actions.Space, width: int, height: int, points: list[list
         "seconds": {"type": "number", "minimum": 0, "maximum": actions.MAX_SECONDS},
         "duration": {"type": "number", "minimum": 0, "maximum": actions.MAX_SECONDS},
     }
-    named: dict[str, Target] = {}  # the first element of each name, in document order
-    for target in targets or []:
-        if len(named) < MAX_TARGETS:
-            named.setdefault(target.name, target)
+    named: dict[str, Target] = {}  # in document order; a name's second element is "NAME (2)", and so on
+    for target in (targets or [])[:MAX_TARGETS]:
+        name, n = target.name, 1
+        while name in named:
+            n += 1
+            name = f"{target.name} ({n})"
+        named[name] = target
     branches = []
     for kind, (required, optional) in actions.SPACES[space].items():
         if kind == "click" and named:
@@ -154,15 +157,24 @@ def call_schema(space: actions.Space, width: int, height: int, points: list[list
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
+_GUI_OWL_ARGS = frozenset(name for name, _ in _ARGS.values())
+
+
 def to_action(call: ToolCall, function: str) -> dict[str, Any]:
-    """GUI-Owl's function arguments as a flat action of our space; ValueError says what is wrong."""
+    """GUI-Owl's function arguments as a flat action of our space; ValueError says what is wrong.
+
+    An argument GUI-Owl's function does not have is refused rather than copied: a stray `x` or `type` beside
+    `coordinate` would otherwise overwrite the point or the action the model named."""
     if call.name != function:
         raise ValueError(f"called {call.name!r}, not {function!r}")
     args = dict(call.arguments)
     kind = args.pop("action", None)
     if not isinstance(kind, str):
         raise ValueError("the call has no action")
-    args.pop("target", None)  # which element a named click chose: its coordinate says where
+    if kind == "click":
+        args.pop("target", None)  # which element a named click chose: its coordinate says where
+    if unknown := sorted(set(args) - _GUI_OWL_ARGS):
+        raise ValueError(f"{kind}: {', '.join(map(repr, unknown))} is not an argument of {function}")
     action: dict[str, Any] = {"type": kind}
     for name, (x, y) in (("coordinate", ("x", "y")), ("coordinate2", ("x2", "y2"))):
         if name in args:

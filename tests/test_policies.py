@@ -41,7 +41,7 @@ def test_a_named_click_is_held_to_each_named_elements_centre():
     branches = call_schema("mobile", 412, 915, targets=targets)["properties"]["arguments"]["anyOf"]
     clicks = [b["properties"] for b in branches if b["properties"]["action"]["const"] == "click"]
     assert [(c["target"]["const"], c["coordinate"]["const"]) for c in clicks] == [
-        ("Add to cart", [100, 200]), ("Cart", [300, 40])]  # one branch per name, the first of its name
+        ("Add to cart", [100, 200]), ("Cart", [300, 40]), ("Add to cart (2)", [100, 600])]  # each one reachable
     assert {b["properties"]["action"]["const"] for b in branches} == set(actions.SPACES["mobile"])
     many = [Target("button", f"Item {i}", 10, 10 + i) for i in range(MAX_TARGETS + 5)]
     branches = call_schema("mobile", 412, 915, targets=many)["properties"]["arguments"]["anyOf"]
@@ -71,6 +71,13 @@ def test_arguments_map_to_the_flat_action(arguments, expected):
         (ToolCall(name="computer_use", arguments={"action": "click"}), "not 'mobile_use'"),
         (ToolCall(name="mobile_use", arguments={"coordinate": [1, 2]}), "no action"),
         (ToolCall(name="mobile_use", arguments={"action": "click", "coordinate": [1]}), r"\[x, y\]"),
+        # a stray argument must not overwrite the point or the action the model named
+        (ToolCall(name="mobile_use", arguments={"action": "click", "coordinate": [10, 20], "x": 300}),
+         "'x' is not an argument"),
+        (ToolCall(name="mobile_use", arguments={"action": "click", "coordinate": [10, 20], "type": "long_press"}),
+         "'type' is not an argument"),
+        (ToolCall(name="mobile_use", arguments={"action": "type", "text": "hi", "target": "Search"}),
+         "'target' is not an argument"),
     ],
 )
 def test_malformed_calls_say_what_is_wrong(call, error):
