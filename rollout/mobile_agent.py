@@ -16,39 +16,46 @@ notes), and a Worker failure is an invalid step.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from trajforge.envs import actions
 from trajforge.envs.browser import Observation
 from trajforge.llm import CallRecord, Gateway, ImagePart, load_prompt
 from trajforge.llm.calls import ChatResult
-from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, action_lines, to_action
+from trajforge.rollout.gui_owl import FUNCTIONS, ToolCall, action_lines, call_schema, to_action
 from trajforge.rollout.policy import Draw, PolicyOutput
 from trajforge.schemas.records import Query
 
 
+# Each role's answer is parsed strictly: a key it does not define (`"verdict": "FAILURE"` beside the outcome)
+# is a parse error recorded on the step, not ignored while the rest feeds a role table.
 class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     thought: str = ""
     completed_subgoals: list[str] = Field(default_factory=list)
     pending_subgoals: list[str]
 
 
 class WorkerAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     thought: str = ""
     action: dict[str, Any]
     summary: str = ""
 
 
 class Reflection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     outcome: Literal["SUCCESS", "FAILURE"]
     feedback: str = ""
 
 
 class Notes(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     notes: list[str]
 
 
@@ -98,21 +105,31 @@ class MobileAgentPolicy:
             self._knowledge = self.knowledge(query.instruction)
 
     def _ask(self, role: str, schema: type[BaseModel], screens: list[Observation], record: dict[str, Any],
-             calls: list[CallRecord], **variables: Any) -> Any:
+             calls: list[CallRecord], json_schema: dict[str, Any] | None = None, **variables: Any) -> Any:
         images = [ImagePart(png=o.png, ax_tree=o.ax_tree) for o in screens]
         rendered = self.prompts[role].render(task=self._task, screenshots=images, **variables)
         result: ChatResult[Any] = self.gateway.chat_sync(
-            rendered, model=self.model, schema=schema, sampling=self.draw.of(rendered.sampling) if self.draw else None
+            rendered, model=self.model, schema=schema, sampling=self.draw.of(rendered.sampling) if self.draw else None,
+            json_schema=json_schema,
         )
         self._model_id = result.record.model_id
         calls.extend(result.calls)
         record[role] = {
-            "inputs": {k: v for k, v in variables.items() if k not in ("actions",)},
+            # a copy: the team's notes and plan go on changing after this call (the Notetaker's own answer is
+            # added to the list it was shown), and the step keeps what the role was asked
+            "inputs": copy.deepcopy({k: v for k, v in variables.items() if k not in ("actions",)}),
             "raw_output": result.text,
             "output": result.parsed.model_dump() if result.parsed is not None else None,
             "parse_error": result.parse_error,
         }
         return result.parsed
+
+    def _worker_schema(self, width: int, height: int) -> dict[str, Any]:
+        """The Worker's answer with its `action` held to GUI-Owl's call, one branch per action type with
+        exactly its arguments and points on the screen (`call_schema`), as the end-to-end policy's is."""
+        schema = WorkerAnswer.model_json_schema()
+        schema["properties"]["action"] = call_schema(self.space, width, height)["properties"]["arguments"]
+        return schema
 
     def act(self, observation: Observation, env: Any) -> PolicyOutput:
         roles: dict[str, Any] = {}
@@ -142,7 +159,9 @@ class MobileAgentPolicy:
                 return PolicyOutput(action, plan.thought or "The Manager has no pending subgoal.",
                                     roles["manager"]["raw_output"], calls=tuple(calls), roles=roles)
         answer = self._ask(
-            "worker", WorkerAnswer, [observation], roles, calls, platform=self.space, width=observation.width,
+            "worker", WorkerAnswer, [observation], roles, calls,
+            json_schema=self._worker_schema(observation.width, observation.height),
+            platform=self.space, width=observation.width,
             height=observation.height, actions=self._actions, pending=self._pending[:3], feedback=self._feedback,
             notes=self._notes,
         )

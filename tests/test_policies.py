@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from PIL import Image
+from scripted import Reply, ScriptedServer
 
+from trajforge.data.blobs import BlobStore
 from trajforge.envs import actions
-from trajforge.envs.browser import Target
+from trajforge.envs.browser import Observation, Target
+from trajforge.llm import Gateway
 from trajforge.llm.structured import ParseError, parse
 from trajforge.rollout.gui_owl import FUNCTIONS, MAX_TARGETS, ToolCall, call_schema, to_action, tool_spec
+from trajforge.rollout.mobile_agent import MobileAgentPolicy
+from trajforge.schemas.config import LLMSettings
+from trajforge.schemas.records import Query
 
 
 @pytest.mark.parametrize("space", ["mobile", "desktop"])
@@ -88,3 +96,37 @@ def test_malformed_calls_say_what_is_wrong(call, error):
 def test_an_answer_without_a_call_is_a_parse_error_not_a_guess():
     with pytest.raises(ParseError, match="exactly one <tool_call>"):
         parse("<conclusion>Click the cart.</conclusion> click(380, 42)", "tool_call", ToolCall)
+
+
+def _screen(url: str) -> Observation:
+    buf = io.BytesIO()
+    Image.new("RGB", (412, 915), "white").save(buf, format="PNG")
+    return Observation(png=buf.getvalue(), width=412, height=915, url=url, title="t", nodes=())
+
+
+def test_mobile_agent_roles_record_what_they_were_asked_and_refuse_what_they_do_not_define(tmp_path):
+    """Two steps of the team against a scripted server: the Notetaker's recorded inputs are the notes it was shown,
+    not the list its own answer was added to, and a Worker action or a Reflection with a key it does not define
+    is a recorded parse error, not an action with the stray key copied in or ignored."""
+    plan = '{"thought": "", "completed_subgoals": [], "pending_subgoals": ["open the cart"]}'
+    replies = [Reply(plan), Reply('{"thought": "", "action": {"action": "click", "coordinate": [10, 20], "x": 300}}'),
+               Reply('{"outcome": "SUCCESS", "feedback": ""}'), Reply('{"notes": ["code is 1234"]}'), Reply(plan),
+               Reply('{"thought": "", "action": {"action": "click", "coordinate": [10, 20]}}'),
+               Reply('{"outcome": "SUCCESS", "verdict": "FAILURE"}'), Reply(plan),
+               Reply('{"thought": "", "action": {"action": "wait"}}')]
+    llm = LLMSettings.model_validate({"endpoints": {"m": {"base_url": "", "model": "scripted", "max_retries": 0,
+                                                          "timeout_s": 5}}, "default": "m", "reask": 0, "cache": False})
+    with ScriptedServer(*replies) as server:
+        llm.endpoints["m"].base_url = server.url
+        with Gateway(llm, blobs=BlobStore(tmp_path / "blobs")) as gateway:
+            policy = MobileAgentPolicy(gateway, viewport="mobile")
+            policy.reset(Query.model_construct(query_id="q", instruction="Open the cart"))
+            first = policy.act(_screen("/"), None)
+            second = policy.act(_screen("/a"), None)
+            third = policy.act(_screen("/b"), None)
+    assert first.action == {} and "'x' is not an argument" in first.error
+    assert second.roles["notetaker"]["inputs"]["notes"] == []  # what it was shown, before its own answer
+    assert second.roles["manager"]["inputs"]["notes"] == ["code is 1234"]
+    assert second.action == {"type": "click", "x": 10, "y": 20}
+    assert third.roles["reflector"]["output"] is None and "verdict" in third.roles["reflector"]["parse_error"]
+    assert third.action == {"type": "wait"}
