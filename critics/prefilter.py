@@ -36,11 +36,18 @@ def settle(step: dict[str, Any], found: list[str]) -> tuple[str, str, str] | Non
     """(label, analysis, summary) when the flags decide the step, else None (a model should judge it).
 
     An invalid action wasted a step and counts towards stalling: HARMFUL. Repeating an
-    action that changed nothing is a loop: HARMFUL. A valid action that changed nothing
-    once (or ended the episode) moved the task neither way: NEUTRAL. A repeated action
-    that did change the screen (pressing "+" twice) is left to the model.
+    action that changed nothing is a loop: HARMFUL. Ending the episode as a failure gives
+    the task up (every query the factory writes has a path to its goal): HARMFUL, so an
+    episode its checker accepts does not teach giving up at its end. A valid action that
+    changed nothing once (or ended the episode as a success, or answered) moved the task
+    neither way: NEUTRAL. A repeated action that did change the screen (pressing "+"
+    twice) is left to the model. The summaries say the status and the answer, which the
+    trajectory critic's channels read in place of the steps.
     """
     action = step["action_type"]
+    args = json.loads(step["action_json"]) if step["action_valid"] else {}
+    if action == "terminate" and INVALID not in found and args.get("status") == "failure":
+        return "HARMFUL", "The agent gave up: it ended the episode with status failure.", "gave up (terminate: failure)"
     if INVALID in found:
         return "HARMFUL", f"The {action} action was invalid: {step['action_error']}.", f"invalid {action}"
     if NO_CHANGE in found and REPEATED in found:
@@ -51,6 +58,10 @@ def settle(step: dict[str, Any], found: list[str]) -> tuple[str, str, str] | Non
         )
     if NO_CHANGE in found:
         if action == "terminate":
-            return "NEUTRAL", "The agent ended the episode.", "terminated the episode"
+            status = args.get("status", "")
+            return "NEUTRAL", f"The agent ended the episode with status {status}.", f"terminated: {status}"
+        if action == "answer":
+            return "NEUTRAL", "The agent answered; an answer changes nothing on the screen.", \
+                f"answered {args.get('text', '')!r}"
         return "NEUTRAL", f"The {action} changed neither the screen, the accessibility tree nor the URL.", f"{action}: no change"
     return None

@@ -24,7 +24,7 @@ from trajforge.schemas.ids import short_id
 from trajforge.schemas.records import StepCritique
 
 STEP_PROMPT = "critic_step"
-PREFILTER_CRITIC = "prefilter@1"
+PREFILTER_CRITIC = "prefilter@2"  # 2: a terminate with status failure is HARMFUL
 RULES_CRITIC = "rules@1"
 MAX_SUMMARY_WORDS = 30
 

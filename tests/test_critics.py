@@ -134,10 +134,13 @@ def test_prefilters_flag_steps_and_settle_them_without_a_model(recorded):
     assert [c.flags for c in critiques] == [
         ["invalid_action", "no_change"], ["no_change"], ["no_change", "repeated_action"], [], ["no_change"],
     ]
-    assert [c.label for c in critiques] == ["HARMFUL", "NEUTRAL", "HARMFUL", "GOOD", "NEUTRAL"]
-    assert [c.critic for c in critiques] == ["prefilter@1"] * 3 + ["rules@1", "prefilter@1"]
+    # the episode ends giving up (terminate with status failure): HARMFUL, and its summary says so, since the
+    # trajectory critic's channels read the summaries in place of the steps
+    assert [c.label for c in critiques] == ["HARMFUL", "NEUTRAL", "HARMFUL", "GOOD", "HARMFUL"]
+    assert [c.critic for c in critiques] == ["prefilter@2"] * 3 + ["rules@1", "prefilter@2"]
+    assert "failure" in critiques[-1].summary
     assert "Unknown action type" in critiques[0].analysis or "unknown action type" in critiques[0].analysis
-    assert out.stats["steps judged by prefilter@1"] == 4
+    assert out.stats["steps judged by prefilter@2"] == 4
 
 
 def test_step_judgement_is_parsed_strictly():
@@ -259,7 +262,7 @@ def test_step_critic_and_text_channel_on_the_embedded_model(recorded):
         assert gw.stats.calls == 4
     critiques = out.rows["step_critiques"]
     asked = [c for c in critiques if c.critic == "critic_step@1"]
-    assert len(asked) == 3 and critiques[-1].critic == "prefilter@1"
+    assert len(asked) == 3 and critiques[-1].critic == "prefilter@2"
     for c in asked:
         assert c.observation_mode == "ocr" and c.model_id != "none" and c.raw_output
         assert c.annotated_screenshot in blobs and c.annotated_screenshot != c.step_id

@@ -122,7 +122,7 @@ def test_eval_critics_prints_metrics_and_writes_a_report(tmp_path, chromium, tra
     assert by_name["multimodal"]["unanswered"] == episodes and by_name["multimodal"]["n"] == 0
     assert by_name["text"]["unanswered"] == episodes, "text_channel is off"
     steps = by_name["step labels"]
-    assert steps["n"] == episodes and steps["model_id"] in ("prefilter@1", "prefilter@1,rules@1", "rules@1")
+    assert steps["n"] == episodes and steps["model_id"] in ("prefilter@2", "prefilter@2,rules@1", "rules@1")
     for example in steps["false_positives"] + steps["false_negatives"]:
         assert example["episode_id"] in out and example["ground_truth"]
     wrong = cli(trajforge_cli, tmp_path, "eval", "critics", "--input", "episodes@latest", ok=False)

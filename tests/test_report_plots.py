@@ -21,7 +21,7 @@ def frames() -> dict[str, pl.DataFrame]:
         "success": pl.DataFrame({"night": ["nightly-2026-11-21", "nightly-2026-11-21", "nightly-2026-11-22"],
                                  "app": ["shop", "mail", "shop"], "attempts": [3, 2, 4], "successes": [1, 2, 4],
                                  "rate": [1 / 3, 1.0, 1.0]}),
-        "labels": pl.DataFrame({"critic": ["rules@1", "rules@1", "prefilter@1"], "label": ["GOOD", "HARMFUL", "NEUTRAL"],
+        "labels": pl.DataFrame({"critic": ["rules@1", "rules@1", "prefilter@2"], "label": ["GOOD", "HARMFUL", "NEUTRAL"],
                                 "rows": [16, 2, 3]}),
         "rejections": pl.DataFrame({"stage": ["export", "grounding"],
                                     "reason": ["filter 1: critic score -1 below tau_c 0 (HARMFUL)", "element: off screen"],
