@@ -9,8 +9,10 @@ the same code, and each decision comes with its reason (the stage counts it in t
    GOOD and NEUTRAL steps, 0.75 GOOD only. What a verdict is worth is measured each night
    against the programmatic checkers (the report's calibration table).
 2. **Thought-action consistency** (`synth.consistency`): rules, where the thought can be
-   read against the action: it names interactive elements of the screen but not the one
-   the action hit, or it names a kind of action (type, scroll, ...) but not the one taken.
+   read against the action: it names interactive elements of the screen (whole names, the
+   longest first, so "Add to cart" is not also "Cart") but not the one the action hit, or,
+   in its words besides those names (a "Done" button is no "done"), it names a kind of
+   action (type, scroll, ...) but not the one taken.
 3. **Task re-weighting by p_succ** (`synth.reweight_*`): each row's `weight` is
    (1 - p + s) / (1 - p_mean + s), clipped to [reweight_min, reweight_max], where p is its
    query's success rate over every attempt so far, p_mean the mean over the queries
@@ -41,12 +43,13 @@ INTERACTIVE = {"link", "button", "textbox", "checkbox", "radio", "tab", "menuite
 """Roles a thought names when it says what to act on (AX roles; Android's are mapped to the same words)."""
 
 VERBS: dict[str, tuple[str, ...]] = {
-    "click": ("click", "tap", "press", "select", "open", "choose"),
+    "click": ("click", "tap", "press", "select", "open", "choose", "enter"),
     "type": ("type", "enter", "write", "input", "fill"),
     "scroll": ("scroll", "swipe"),
     "terminate": ("done", "finish", "finished", "complete", "completed", "stop"),
 }
-"""Kinds of action a thought can name, and the action types each covers (below)."""
+"""Kinds of action a thought can name, and the action types each covers (below). "enter" names both: text is
+entered, and so is a page ("Enter the Settings page." decides a click)."""
 KIND_OF = {"click": "click", "double_click": "click", "long_press": "click", "right_click": "click",
            "middle_click": "click", "type": "type", "scroll": "scroll", "swipe": "scroll", "drag": "scroll",
            "terminate": "terminate"}
@@ -65,38 +68,44 @@ class Verdict:
     """Which rule failed: "element" or "kind of action" ("" when it passed)."""
 
 
-def _words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z]+", text.casefold()))
+def _tokens(text: str) -> str:
+    """The text case-folded as its words and numbers, one space apart: names compare word for word."""
+    return " ".join(re.findall(r"[a-z0-9]+", text.casefold()))
 
 
-def _names(thought: str, nodes: list[AXNode]) -> set[str]:
-    """Names of interactive elements of the screen that the thought mentions (whole words, 3+ letters)."""
-    text = f" {' '.join(re.findall(r'[a-z0-9]+', thought.casefold()))} "
+def _names(thought: str, nodes: list[AXNode]) -> tuple[set[str], str]:
+    """Names of interactive elements of the screen that the thought mentions (whole names, 3+ letters), and the
+    thought's words without them. The longest name is read first and taken out, so a name inside a longer one it
+    is part of ("cart" in "add to cart") is not also mentioned, and a name is not read as a verb ("Tap Done")."""
+    text = f" {_tokens(thought)} "
     found = set()
-    for node in nodes:
-        name = " ".join(re.findall(r"[a-z0-9]+", node.name.casefold()))
-        if node.role in INTERACTIVE and len(name) >= 3 and f" {name} " in text:
+    names = {_tokens(node.name) for node in nodes if node.role in INTERACTIVE}
+    for name in sorted((n for n in names if len(n) >= 3), key=len, reverse=True):
+        mention = re.compile(rf"(?<= ){re.escape(name)}(?= )")
+        if mention.search(text):
             found.add(name)
-    return found
+            text = mention.sub("|", text)  # a mark no name holds: a shorter name cannot span what was taken out
+    return found, text
 
 
 def consistent(thought: str, action_type: str, target_name: str | None, ax_tree: str | None) -> Verdict:
-    """Filter 2, by rules: does the thought decide the action that was taken?"""
+    """Filter 2, by rules: does the thought decide the action that was taken? It must not name elements of the
+    screen without the one the action hit, nor (in its other words) kinds of action without the one taken."""
     if not thought.strip():
         return Verdict(True, "no thought to check")
-    words = _words(thought)
+    try:
+        nodes = parse(ax_tree or "")
+    except ValueError:
+        nodes = []
+    named, rest = _names(thought, nodes)
+    words = set(rest.split())
     kind = KIND_OF.get(action_type)
     named_kinds = {k for k, verbs in VERBS.items() if words & set(verbs)}
     if kind is not None and named_kinds and kind not in named_kinds:
         return Verdict(False, f"the thought says {'/'.join(sorted(named_kinds))}, the action is {action_type}",
                        "kind of action")
-    try:
-        nodes = parse(ax_tree or "")
-    except ValueError:
-        nodes = []
-    target = " ".join(re.findall(r"[a-z0-9]+", (target_name or "").casefold()))
-    named = _names(thought, nodes)
-    if target and named and not any(n in target or target in n for n in named):
+    target = _tokens(target_name or "")
+    if target and named and target not in named:
         return Verdict(False, f"the thought names {sorted(named)[0]!r}, the action hit {target_name!r}", "element")
     return Verdict(True, "the thought names the target" if target and named else "nothing in the thought contradicts")
 

@@ -64,8 +64,9 @@ RL_TABLES = frozenset(t for t, m in RECORDS.items() if issubclass(m, (CESGroup, 
 """Tables of prompts with rewards or values: for an RL trainer, not for SFT."""
 
 META = {"sample_id": "string", "source_id": "string", "step_id": "string", "episode_id": "string",
-        "query_id": "string", "weight": "float64"}
-"""Columns kept beside the messages, so a trained-on row can be traced back and re-weighted."""
+        "query_id": "string", "weight": "float64", "hint_style": "string", "hinted_with_answer": "bool"}
+"""Columns kept beside the messages, so a trained-on row can be traced back and re-weighted, and a reasoning
+written with the answer shown (`hinted_with_answer`, `hint_style` hinted) told from one that found it."""
 
 MIX_COLUMNS = ("label", "kind", "source", "tier", "trusted", "outcome", "hint_style", "silver")
 """Columns whose value counts the card shows, in the table or in the input rows its rows were made from."""
@@ -246,7 +247,8 @@ def _write_jsonl(out: Path, samples: list[Sample], table: str, fmt: str, prefix:
             f.write(json.dumps({"messages": messages, "images": paths, **s.meta}, ensure_ascii=False) + "\n")
     home = f"the folder that holds this one as `{prefix.rstrip('/')}` (where the loop's trainer runs)" if prefix \
         else "this folder"
-    notes = [f"Image paths are relative to {home}; the trainer ignores the ids and `weight` beside `messages`.",
+    notes = [f"Image paths are relative to {home}; the trainer ignores the columns beside `messages` "
+             "(ids, `weight`, a reasoning's `hint_style` and `hinted_with_answer`).",
              *_weight_note(samples)]
     if fmt == "ms-swift":
         where = "that folder" if prefix else "this folder"

@@ -19,15 +19,16 @@ from typing import Any, Literal
 
 import polars as pl
 
+from trajforge.critics.prefilter import NO_CHANGE
 from trajforge.envs import actions, axtree
-from trajforge.envs.browser import screen_targets
+from trajforge.envs.browser import Target, screen_targets
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import call_schema, to_action
+from trajforge.rollout.gui_owl import MAX_TARGETS, call_schema, to_action
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Step, steps_by_episode
 from trajforge.schemas.stage import Inputs
 from trajforge.synth.ask import Answer
-from trajforge.synth.semantics import action_text
+from trajforge.synth.semantics import NO_EFFECT, action_text
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,16 @@ class TrustedEpisode:
     harmful: frozenset[str] = frozenset()
     """The steps whose latest step critique is HARMFUL: an accepted episode can still take a wrong turn and come
     back; such a step stays in the episode (the history of the steps after it) but is no target to imitate."""
+    no_change: frozenset[str] = frozenset()
+    """The steps whose latest step critique carries the pre-filter's no_change flag (neither screen, tree nor URL
+    changed) on an action that should change something (not a `NO_EFFECT` one): a single such click is NEUTRAL, so
+    its episode can be accepted, but it teaches a click on nothing; history only, as in `synth.export`."""
 
     def imitable(self, index: int) -> bool:
-        """Whether step `index` is a target a synthesis stage may teach: a valid action not labelled HARMFUL."""
+        """Whether step `index` is a target a synthesis stage may teach: a valid action not labelled HARMFUL that
+        changed something (or was not meant to)."""
         step = self.steps[index]
-        return step.action_valid and step.step_id not in self.harmful
+        return step.action_valid and step.step_id not in self.harmful and step.step_id not in self.no_change
 
 
 def spread(units: list[TrustedEpisode], budget: int, min_step: int = 0) -> list[tuple[TrustedEpisode, int]]:
@@ -97,7 +103,7 @@ def prediction_schema(space: actions.Space, step: Step, points: str) -> dict[str
     except ValueError:  # a tree that does not parse offers no element: the point stays free
         nodes = []
     if points == "names" and (targets := screen_targets(nodes, step.width, step.height)):
-        return call_schema(space, step.width, step.height, targets=targets)
+        return call_schema(space, step.width, step.height, targets=_choices(step, targets))
     if nodes:
         for node in nodes:
             if node.box is not None and "covered" not in node.states:
@@ -106,6 +112,30 @@ def prediction_schema(space: actions.Space, step: Step, points: str) -> dict[str
                 if centre not in centres and 0 <= centre[0] < step.width and 0 <= centre[1] < step.height:
                     centres.append(centre)
     return call_schema(space, step.width, step.height, centres[:MAX_POINTS] or None)
+
+
+def _choices(step: Step, targets: list[Target]) -> list[Target]:
+    """The named targets a prediction of `step` chooses among: `call_schema` offers the first MAX_TARGETS, so on a
+    longer screen a step whose own target comes later could never be matched. Its target then takes the last
+    place, after the first MAX_TARGETS - 1: in document order, as every choice list is, so where it stands does
+    not give it away."""
+    if len(targets) <= MAX_TARGETS:
+        return targets
+    own = next((i for i, t in enumerate(targets) if _is_target(step, t)), None)
+    if own is None or own < MAX_TARGETS:
+        return targets[:MAX_TARGETS]
+    return [*targets[:MAX_TARGETS - 1], targets[own]]
+
+
+def _is_target(step: Step, target: Target) -> bool:
+    """Whether `target` is the element the step acted on: its recorded name, its centre in its recorded box (the
+    box tells same-named elements apart)."""
+    if target.name != step.target_name:
+        return False
+    if step.target_box is None:
+        return True
+    x, y, w, h = step.target_box
+    return x <= target.x <= x + w and y <= target.y <= y + h
 
 
 def predicted_action(answer: Answer, function: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -136,17 +166,21 @@ def checker_versions(ws: Workspace, query_ids: list[str], version: int | None = 
     return {q: f"{c}@{digest(p, 8)}" for q, c, p in queries.iter_rows()}
 
 
-def harmful_steps(ws: Workspace, snapshot: int, step_ids: list[str]) -> set[str]:
+def judged_steps(ws: Workspace, snapshot: int, step_ids: list[str]) -> tuple[set[str], set[str]]:
     """The steps of `step_ids` whose latest critique in that version of `step_critiques` (`Catalog.newest`) is
-    HARMFUL."""
+    HARMFUL, and those it flags no_change."""
     latest = ws.catalog.newest("step_critiques", "step_id", snapshot, where=pl.col("step_id").is_in(step_ids))
-    return set(latest.filter(pl.col("label") == "HARMFUL")["step_id"])
+    harmful = set(latest.filter(pl.col("label") == "HARMFUL")["step_id"])
+    if "flags" not in latest.columns:  # a version from before the pre-filter's flags were recorded
+        return harmful, set()
+    return harmful, set(latest.filter(pl.col("flags").list.contains(NO_CHANGE))["step_id"])
 
 
 def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
     """The episodes of the steps a run wrote whose actions are trusted: reference replays their checker
     passed, and episodes the critics' latest verdict accepted; the others are counted by reason. Each with the
-    steps the step critic's latest label (`step_critiques@latest`) calls HARMFUL, counted: not imitated."""
+    steps the step critic's latest label (`step_critiques@latest`) calls HARMFUL or flags no_change, counted: not
+    imitated."""
     steps, snapshot = ws.catalog.rows_added("steps", snapshot)
     ids = steps["episode_id"].unique().to_list()
     # The other tables at the versions read now, named in the lineage: a rerun reads the same ones.
@@ -159,8 +193,9 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
                                      where=pl.col("episode_id").is_in(ids))
         accepted = dict(verdicts.select("episode_id", "success").iter_rows())
     harmful: set[str] = set()
+    unchanged: set[str] = set()
     if "step_critiques" in snapshots:
-        harmful = harmful_steps(ws, snapshots["step_critiques"], steps["step_id"].to_list())
+        harmful, unchanged = judged_steps(ws, snapshots["step_critiques"], steps["step_id"].to_list())
     by_episode = steps_by_episode(steps.to_dicts())
     checkers = checker_versions(ws, episodes["query_id"].unique().to_list(), snapshots.get("queries"))
     inputs = Inputs[TrustedEpisode](units=[], snapshots=snapshots)
@@ -179,6 +214,10 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
         bad = frozenset(s.step_id for s in episode_steps if s.step_id in harmful)
         if bad:
             inputs.stats["trusted steps labelled HARMFUL by the step critic: history only, not imitated"] += len(bad)
+        idle = frozenset(s.step_id for s in episode_steps if s.step_id in unchanged and s.action_type not in NO_EFFECT)
+        if idle:
+            inputs.stats["trusted steps that changed nothing (pre-filter no_change): history only, not imitated"] += \
+                len(idle)
         inputs.units.append(TrustedEpisode(e["episode_id"], e["query_id"], e["instruction"], e["viewport"], trusted,
-                                           episode_steps, checkers.get(e["query_id"], ""), bad))
+                                           episode_steps, checkers.get(e["query_id"], ""), bad, idle))
     return inputs

@@ -100,6 +100,32 @@ def test_filter_2_drops_a_thought_that_names_another_element_or_action(blobs):
     assert len(_export([unit], blobs, consistency="off").rows["train_e2e"]) == 2
 
 
+def test_filter_2_reads_whole_element_names_the_longest_first_and_verbs_beside_them():
+    """A name inside a longer name the thought gives is not read on its own: a thought that names another element
+    than the one the action hit is caught even when the names overlap. An element's name is no verb, and "enter"
+    goes into a page as well as types."""
+    tree = render([AXNode(0, "RootWebArea", "Shop"), AXNode(1, "link", "Cart", box=(10, 10, 80, 30)),
+                   AXNode(1, "button", "Add to cart", box=(10, 50, 80, 30)),
+                   AXNode(1, "link", "All settings", box=(10, 90, 80, 30)),
+                   AXNode(1, "link", "Settings", box=(10, 130, 80, 30)),
+                   AXNode(1, "button", "Save draft", box=(10, 170, 80, 30)),
+                   AXNode(1, "button", "Save", box=(10, 210, 80, 30)),
+                   AXNode(1, "button", "Done", box=(10, 250, 80, 30)),
+                   AXNode(1, "textbox", "Type a message", box=(10, 290, 200, 30))])
+    for thought, hit, said in (("Tap 'Add to cart'.", "Cart", "add to cart"), ("Tap Settings.", "All settings",
+                               "settings"), ("Tap 'Save draft'.", "Save", "save draft")):
+        near = consistent(thought, "click", hit, tree)
+        assert not near.ok and near.rule == "element" and f"{said!r}" in near.reason, (thought, near)
+    assert consistent("Tap 'Add to cart'.", "click", "Add to cart", tree).ok
+    assert consistent("Tap Save, not Save draft.", "click", "Save", tree).ok  # the target among the names
+    assert consistent("Enter the Settings page.", "click", "Settings", tree).ok
+    assert consistent("The Done button saves the note.", "click", "Done", tree).ok
+    assert consistent("Focus the Type a message box.", "click", "Type a message", tree).ok
+    # Outside the names the verbs still count: a thought that scrolls to the element is no click on it.
+    scroll = consistent("Scroll down to the Settings link.", "click", "Settings", tree)
+    assert not scroll.ok and scroll.rule == "kind of action"
+
+
 def test_filter_3_weights_hard_tasks_up_and_easy_ones_down(blobs):
     w = weights({"easy": 1.0, "mid": 0.5, "hard": 0.0}, smoothing=0.1, low=0.25, high=4.0)
     assert w["easy"] == 0.25 and w["hard"] > w["mid"] > w["easy"] and w["mid"] == pytest.approx(1.0)

@@ -17,6 +17,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import CLIPImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from trajforge.data.catalog import Catalog, Lineage
+from trajforge.schemas.records import ReasoningChat
 from trajforge.synth.handoff import ExportError, export, staged
 
 pytestmark = pytest.mark.browser
@@ -194,6 +196,31 @@ def test_a_non_empty_folder_is_refused_and_left_untouched(night, tmp_path):
         export(catalog, f"{TABLE}@{tag}", "ms-swift", out / "notes.txt" / "sub")
     out.joinpath("notes.txt").unlink()  # an empty folder is taken
     assert export(catalog, f"{TABLE}@{tag}", "ms-swift", out).rows > 0
+
+
+def test_a_reasoning_written_with_the_answer_shown_is_told_apart_in_every_format(tmp_path):
+    """train_reasoning mixes reasoning a model found (rejection-sampled) with reasoning written to a trusted action
+    it was shown: each trainer format carries `hint_style` and `hinted_with_answer`, so a job can leave the
+    rationalisations out or weigh them apart."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (28, 28), "white").save(buffer, format="PNG")
+    messages = json.dumps([
+        {"role": "user", "content": [{"type": "text", "text": "Open the cart."}, {"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "<thinking>Tap Cart.</thinking>"}]}])
+    rows = [ReasoningChat(run_id="r", sample_id=style, source_id=f"reasoning:{style}", messages_json=messages,
+                          images=[buffer.getvalue()], tag="t", hint_style=style, hinted_with_answer=style == "hinted")
+            for style in ("cot", "hinted")]
+    catalog = Catalog(tmp_path / "warehouse")
+    catalog.commit_rows("train_reasoning", rows, Lineage(stage="reasoning", run_id="r", commit_key="r/reasoning",
+                                                         config_hash="c", code_version="v"))
+    want = {"cot": ("cot", False), "hinted": ("hinted", True)}
+    for fmt in ("ms-swift", "llamafactory"):
+        out = export(catalog, "train_reasoning@latest", fmt, tmp_path / fmt).out
+        assert {r["sample_id"]: (r["hint_style"], r["hinted_with_answer"])
+                for r in read_jsonl(out / "train.jsonl")} == want, fmt
+    ds = datasets.load_from_disk(str(export(catalog, "train_reasoning@latest", "hf", tmp_path / "hf").out))
+    assert ds.features["hinted_with_answer"].dtype == "bool"
+    assert {r["sample_id"]: (r["hint_style"], r["hinted_with_answer"]) for r in ds} == want
 
 
 def test_a_crash_while_writing_leaves_nothing(tmp_path):

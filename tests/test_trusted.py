@@ -1,0 +1,92 @@
+"""The trusted steps the synthesis stages teach (`synth/trusted.py`): which steps are targets, and what a
+prediction of one may choose from."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime
+
+from PIL import Image
+
+from trajforge.data.catalog import Lineage
+from trajforge.llm.workspace import Workspace
+from trajforge.rollout.gui_owl import MAX_TARGETS
+from trajforge.schemas.config import Settings
+from trajforge.schemas.records import Episode, Step, StepCritique
+from trajforge.synth.match import match
+from trajforge.synth.trusted import load_trusted, prediction_schema, spread, trusted_action
+
+
+def _step(i: int, kind: str, args: dict, *, name: str | None = None, box: list[float] | None = None,
+          tree: str = "", png: str = "a" * 64) -> Step:
+    return Step(run_id="made", step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=png,
+                screenshot_after=png, width=390, height=844, url_before="u", url_after="u", title_before="t",
+                title_after="t", ax_tree_before=tree, action_type=kind, action_json=json.dumps(args),
+                action_valid=True, target_role="button" if name else None, target_name=name, target_box=box,
+                thought="", raw_output="", duration_ms=0)
+
+
+def _clicks(schema: dict) -> list[dict]:
+    return [b["properties"] for b in schema["properties"]["arguments"]["anyOf"]
+            if b["properties"]["action"] == {"const": "click"}]
+
+
+def test_a_named_prediction_can_choose_the_steps_target_after_the_first_max_targets():
+    """The call schema names the first MAX_TARGETS elements; a trusted click on a later one (here the second
+    "Edit", the 45th element) is still among the choices, in the last place, so a prediction can match it."""
+    names = [f"Item {i}" for i in range(MAX_TARGETS + 5)]
+    names[5] = names[-1] = "Edit"
+    boxes = [[10.0, 10.0 + 15 * i, 60.0, 12.0] for i in range(len(names))]
+    tree = "main\n" + "\n".join(f'  button "{n}" ({x:.0f},{y:.0f},{w:.0f},{h:.0f})'
+                                for n, (x, y, w, h) in zip(names, boxes, strict=True))
+
+    def choices(index: int) -> tuple[Step, list[dict]]:
+        x, y, w, h = boxes[index]
+        step = _step(0, "click", {"x": x + w / 2, "y": y + h / 2}, name=names[index], box=boxes[index], tree=tree)
+        return step, _clicks(prediction_schema("mobile", step, "names"))
+
+    late, clicks = choices(len(names) - 1)
+    assert [c["target"]["const"] for c in clicks] == [*names[:MAX_TARGETS - 1], "Edit (2)"]
+    hits = [c["target"]["const"] for c in clicks if match(
+        {"type": "click", "x": c["coordinate"]["const"][0], "y": c["coordinate"]["const"][1]},
+        trusted_action(late), target_box=late.target_box).ok]
+    assert hits == ["Edit (2)"]
+    # A target among the first MAX_TARGETS leaves the choice as the rollout's: the first MAX_TARGETS.
+    _, clicks = choices(3)
+    assert [c["target"]["const"] for c in clicks] == names[:MAX_TARGETS]
+
+
+def _made(key: str, run: str = "made") -> Lineage:
+    return Lineage(stage="test", run_id=run, commit_key=key, config_hash="x", code_version="x")
+
+
+def test_a_click_that_changed_nothing_is_history_not_a_target(tmp_path):
+    """A click whose latest step critique carries the pre-filter's no_change flag is NEUTRAL, so its episode is
+    accepted, but no synthesis stage is taught it (the export drops it from train_e2e too); a terminate, which
+    changes nothing by nature, stays a target, and so does a click a later critique no longer flags."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    buffer = io.BytesIO()
+    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
+    png = ws.blobs.put(buffer.getvalue()).sha256
+    when = datetime(2026, 12, 5, tzinfo=UTC)
+    ws.catalog.commit_rows("episodes", [Episode(
+        run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="reference",
+        model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=3, final_url="u",
+        final_state_json="{}", started_at=when, finished_at=when, source="reference", success=True)],
+        _made("episodes"))
+    steps = [_step(0, "click", {"x": 5, "y": 9}, name="Cart", png=png),
+             _step(1, "click", {"x": 5, "y": 9}, name="Cart", png=png),
+             _step(2, "terminate", {"status": "success"}, png=png)]
+    snapshot = ws.catalog.commit_rows("steps", steps, _made("steps"))
+    judged = ({"e:0": ["no_change"], "e:1": None}, {"e:0": None, "e:1": ["no_change"], "e:2": ["no_change"]})
+    for n, flags in enumerate(judged):
+        ws.catalog.commit_rows("step_critiques", [StepCritique(
+            run_id=f"critics{n}", critique_id=f"{step}:{n}", step_id=step, episode_id="e", critic="c", model_id="m",
+            prompt_version="1", analysis="", summary="", label="NEUTRAL" if flagged else "GOOD", raw_output="",
+            flags=flagged) for step, flagged in flags.items()], _made(f"critiques{n}", f"critics{n}"))
+    inputs = load_trusted(ws, snapshot)
+    [unit] = inputs.units
+    assert [i for _, i in spread([unit], 10)] == [0, 2] and len(unit.steps) == 3
+    assert [unit.imitable(i) for i in range(3)] == [True, False, True] and unit.no_change == {"e:1"}
+    assert inputs.stats["trusted steps that changed nothing (pre-filter no_change): history only, not imitated"] == 1
