@@ -1,12 +1,14 @@
 """The episode recorder: run one policy on one query and write its Episode and Step rows.
 
 Each step keeps the observation before and after the action (screenshot by hash in
-the blob store, accessibility tree with element boxes, URL, title), the action as the
-policy gave it, whether it was valid and why not, the element it aimed at with its
-box, and the policy's thought and raw output. An invalid action is recorded and the
-episode goes on (the agent wasted a step); a failure of the browser or app ends the
-episode with status env_fault and the fault's kind, so critics and hard-query
-selection never blame the agent for the environment, and the stage can rerun it.
+the blob store, accessibility tree with element boxes, URL, title), the action (a valid
+one as the env executed it, in its space's form with the browser's key names:
+`canonical`; an invalid one as the policy gave it), whether it was valid and why not,
+the element it aimed at with its box, and the policy's thought and raw output. An
+invalid action is recorded and the episode goes on (the agent wasted a step); a
+failure of the browser or app ends the episode with status env_fault and the fault's
+kind, so critics and hard-query selection never blame the agent for the environment,
+and the stage can rerun it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,19 @@ class BlobSink(Protocol):
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def canonical(action: dict[str, Any], space: actions.Space) -> dict[str, Any]:
+    """An action in its space's own form (`actions.normalize`: an alias type resolved, a desktop key press as
+    `keys`) with the browser's key names (`actions.key_name`: 'enter' is 'Enter'): what the env executes, and so
+    what a step stores and a training answer says. A policy may write either space's key form and a model
+    pyautogui's names; rows recorded before the recorder stored this form are read through it too (`to_call`)."""
+    action = actions.normalize(action, space)
+    if isinstance(action.get("key"), str):
+        action = {**action, "key": actions.key_name(action["key"])}
+    if isinstance(action.get("keys"), list):
+        action = {**action, "keys": [actions.key_name(k) if isinstance(k, str) else k for k in action["keys"]]}
+    return action
 
 
 def _target(env: BrowserEnv, action: dict[str, Any], before: Observation) -> Element | None:
@@ -104,7 +119,9 @@ def run_episode(
             out = policy.act(before, env)
             action = out.action
             error = out.error or actions.validate(action, before.width, before.height, env.space)
-            target = _target(env, actions.normalize(action, env.space), before) if error is None else None
+            if error is None:  # an invalid action is kept as the policy wrote it: the error is about that
+                action = canonical(action, env.space)
+            target = _target(env, action, before) if error is None else None
             if error is None:
                 error = env.act(action)
             after = env.observe()
@@ -153,7 +170,7 @@ def run_episode(
             if max_repeats is not None and repeats_in_a_row >= max_repeats:
                 status = "stalled"
                 break
-            if error is None and actions.normalize(action, env.space).get("type") == "terminate":
+            if error is None and action.get("type") == "terminate":
                 status = "terminated"
                 break
         final_state = env.app_state()

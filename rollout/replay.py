@@ -58,6 +58,12 @@ def on_screen(box: Box, obs: Observation) -> tuple[int, int]:
     return min(round((left + right) / 2), obs.width - 1), min(round((top + bottom) / 2), obs.height - 1)
 
 
+def _press(key: str | None, space: str) -> dict[str, Any]:
+    """A spec's `op: press` as its space's key action: the phone's {"key": "Enter"}, the desktop's
+    {"keys": ["Enter"]} (the desktop space has no single `key`)."""
+    return {"type": "key", "keys": [key]} if space == "desktop" else {"type": "key", "key": key}
+
+
 def plan(spec: AppSpec, path: list[str], slots: dict[str, str]) -> list[_Step]:
     """The UI actions along `path`, placeholders filled from `slots`."""
     graph = spec.graph()
@@ -131,7 +137,7 @@ class ReplayPolicy:
         step = self._steps[self._index]
         if step.op == "press" and not step.role:
             self._advance()
-            return self._out({"type": "key", "key": step.text}, f"{step.label}: press {step.text}.")
+            return self._out(_press(step.text, env.space), f"{step.label}: press {step.text}.")
         assert step.role and step.name  # the spec model guarantees both for click, type and the check ops
         boxes = env.find_element(step.role, step.name)
         if len(boxes) != 1:
@@ -164,7 +170,7 @@ class ReplayPolicy:
         self._advance()
         if step.op == "type":
             return self._out({"type": "type", "text": step.text}, f"{step.label}: type {step.text!r} into {target}.")
-        return self._out({"type": "key", "key": step.text}, f"{step.label}: press {step.text} in {target}.")
+        return self._out(_press(step.text, env.space), f"{step.label}: press {step.text} in {target}.")
 
     def _operate(self, i: int, obs: Observation, env: BrowserEnv) -> PolicyOutput:
         """The next action of operation i: scroll its element into view, then do it."""

@@ -4,7 +4,9 @@ The companion papers and GUI-Owl 2.2.3 compare a predicted action with a trusted
 (a reference demonstration's, an accepted trajectory's) the same way: the same type; a
 point inside the target element's box (or within a tolerance of the trusted point when
 the step recorded no box); text with a token F1 above a threshold; the same scroll or
-swipe direction. Actions are flat dicts of `envs.actions` ({"type": "click", "x": .., "y": ..}).
+swipe direction; the same keys. A drag is a point too: it must pick up near the target and drop within the
+tolerance of the trusted drop point (its direction alone would let a drag of anything anywhere pass). Actions are
+flat dicts of `envs.actions` ({"type": "click", "x": .., "y": ..}).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def text_f1(a: str, b: str) -> float:
 
 
 def _direction(action: dict[str, Any]) -> str | None:
-    """up/down/left/right of a scroll (wheel dy, dx) or a swipe/drag (start to end), None without one."""
+    """up/down/left/right of a scroll (wheel dy, dx) or a swipe (start to end), None without one."""
     if action["type"] == "scroll":
         dx, dy = float(action.get("dx", 0)), float(action.get("dy", 0))
     elif "x2" in action and "y2" in action:
@@ -55,6 +57,14 @@ def _direction(action: dict[str, Any]) -> str | None:
     if abs(dy) >= abs(dx):
         return "down" if dy > 0 else "up"
     return "right" if dx > 0 else "left"
+
+
+def _keys(action: dict[str, Any]) -> list[str] | None:
+    """The keys a key action presses, by the browser's names (`actions.key_name`: 'enter' is 'Enter'), from a
+    phone's single `key` and a desktop's `keys` alike: steps recorded before the recorder stored each space's own
+    form hold a desktop key press as `key`, while a desktop prediction (its call schema) always says `keys`."""
+    keys = action["keys"] if "keys" in action else [action["key"]] if "key" in action else None
+    return [actions.key_name(str(k)) for k in keys] if isinstance(keys, list) else None
 
 
 def _near(point: tuple[float, float], box: list[float] | None, trusted: tuple[float, float] | None,
@@ -73,13 +83,14 @@ def _near(point: tuple[float, float], box: list[float] | None, trusted: tuple[fl
 def match(predicted: dict[str, Any], trusted: dict[str, Any], *, target_box: list[float] | None = None,
           tolerance: float = TOLERANCE_PX, min_f1: float = TEXT_F1) -> Match:
     """Does `predicted` do what `trusted` does? Types (aliases resolved) must agree, then each argument the
-    type has: its point near the target, its text (F1 > `min_f1`), its direction, its key, button or status."""
+    type has: its point near the target (and a drag's drop point near the trusted one), its text (F1 >
+    `min_f1`), a scroll's or swipe's direction, its keys, button or status."""
     kind, want = actions.normalize(predicted).get("type"), actions.normalize(trusted).get("type")
     if kind != want:
         return Match(False, f"type {kind!r} is not {want!r}")
     reasons = [f"type {kind}"]
     point = actions.point(predicted)
-    direction = _direction(trusted)
+    direction = _direction(trusted) if want in ("scroll", "swipe") else None
     if direction is not None:
         got = _direction(predicted)
         if got != direction:
@@ -92,12 +103,22 @@ def match(predicted: dict[str, Any], trusted: dict[str, Any], *, target_box: lis
         if not ok:
             return Match(False, why)
         reasons.append(why)
+        if want == "drag":  # where it drops decides as much as where it picks up; no box was recorded there
+            if "x2" not in predicted or "y2" not in predicted:
+                return Match(False, "no drop point")
+            ok, why = _near((float(predicted["x2"]), float(predicted["y2"])), None,
+                            (float(trusted["x2"]), float(trusted["y2"])), tolerance)
+            if not ok:
+                return Match(False, f"drop {why}")
+            reasons.append(f"drop {why}")
     if "text" in trusted:
         f1 = text_f1(str(predicted.get("text", "")), str(trusted["text"]))
         if f1 <= min_f1:
             return Match(False, f"text F1 {f1:.2f} <= {min_f1}")
         reasons.append(f"text F1 {f1:.2f}")
-    for arg in ("key", "keys", "button", "status"):
+    if (keys := _keys(trusted)) is not None and (pressed := _keys(predicted)) != keys:
+        return Match(False, f"keys {pressed!r} are not {keys!r}")
+    for arg in ("button", "status"):
         if arg in trusted and predicted.get(arg) != trusted[arg]:
             return Match(False, f"{arg} {predicted.get(arg)!r} is not {trusted[arg]!r}")
     return Match(True, "; ".join(reasons))

@@ -43,6 +43,32 @@ def test_a_scroll_or_swipe_matches_by_direction_not_by_distance():
     assert match({"type": "swipe", "x": 100, "y": 600, "x2": 600, "y2": 580}, up).reason == "direction right is not up"
 
 
+def test_a_drag_must_pick_up_at_the_target_and_drop_near_the_trusted_drop_point():
+    """A drag is not a scroll: its direction alone (both go down here) says nothing about what it moves where."""
+    trusted = {"type": "drag", "x": 100, "y": 200, "x2": 100, "y2": 500}
+    box = [80.0, 180.0, 40.0, 40.0]
+    elsewhere = match({"type": "drag", "x": 900, "y": 10, "x2": 900, "y2": 700}, trusted, target_box=box)
+    assert not elsewhere.ok and "outside the target box" in elsewhere.reason
+    assert match({"type": "drag", "x": 110, "y": 210, "x2": 105, "y2": 510}, trusted, target_box=box).ok
+    short = match({"type": "drag", "x": 110, "y": 210, "x2": 100, "y2": 300}, trusted, target_box=box)
+    assert not short.ok and short.reason == "drop point 200 px from the trusted point"
+    # without a box, the start is held to the trusted start as a click's point is
+    assert not match({"type": "drag", "x": 140, "y": 200, "x2": 100, "y2": 500}, trusted).ok
+
+
+def test_keys_match_by_the_browsers_names_in_either_spaces_form():
+    """A desktop step recorded in the phone's form ({"key": "Enter"}) is what a desktop prediction, held by its
+    call schema to `keys`, must be able to match; and 'enter' is the key 'Enter' (`actions.key_name`)."""
+    recorded = {"type": "key", "key": "Enter"}
+    assert match({"type": "key", "keys": ["Enter"]}, recorded).ok
+    assert match({"type": "key", "keys": ["enter"]}, {"type": "key", "keys": ["Enter"]}).ok
+    assert match({"type": "key", "key": "enter"}, recorded).ok
+    assert match({"type": "key", "keys": ["ctrl", "a"]}, {"type": "key", "keys": ["Control", "a"]}).ok
+    wrong = match({"type": "key", "keys": ["Control", "a"]}, {"type": "key", "keys": ["Control", "c"]})
+    assert not wrong.ok and wrong.reason == "keys ['Control', 'a'] are not ['Control', 'c']"
+    assert not match({"type": "key", "keys": ["Enter", "a"]}, recorded).ok
+
+
 def test_terminate_matches_on_its_status():
     assert match({"type": "terminate", "status": "success"}, {"type": "terminate", "status": "success"}).ok
     assert not match({"type": "terminate", "status": "failure"}, {"type": "terminate", "status": "success"}).ok

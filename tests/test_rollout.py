@@ -195,6 +195,37 @@ def test_invalid_actions_are_recorded_not_raised(shop: BundledApp, env: BrowserE
 
 
 @pytest.mark.browser
+def test_a_valid_action_is_recorded_in_its_spaces_form_with_the_browsers_key_names(
+        shop: BundledApp, env: BrowserEnv, blobs: BlobStore) -> None:
+    """What a step stores is what the env did, in the form its space's tool speaks: a desktop key press as `keys`
+    (the desktop tool has no `key`), an alias type resolved, 'enter' as 'Enter'. An invalid action stays as the
+    policy wrote it, since its error is about that."""
+    script = [{"type": "press", "key": "enter"}, {"type": "key", "keys": ["ctrl", "a"]},
+              {"type": "terminate", "status": "failure"}]
+    _, steps = run_episode(env, ScriptedPolicy(script), make_query(shop.spec, "cart"), run_id="t",
+                           episode_id="ep-keys", blobs=blobs)
+    recorded = [(s.action_type, json.loads(s.action_json), s.action_valid) for s in steps[:2]]
+    if env.space == "desktop":
+        assert recorded == [("key", {"keys": ["Enter"]}, True), ("key", {"keys": ["Control", "a"]}, True)]
+    else:
+        assert recorded == [("key", {"key": "Enter"}, True), ("key", {"keys": ["ctrl", "a"]}, False)]
+
+
+@pytest.mark.browser
+def test_replay_presses_a_key_in_its_spaces_form(servers: dict[str, AppServer], env: BrowserEnv,
+                                                 blobs: BlobStore) -> None:
+    """The shop's search route presses Enter (`op: press`): the replay says so as its space's tool does."""
+    server = servers["shop"]
+    query = make_query(server.app.spec, "cart", route=1)
+    assert query.path[1] == "search"
+    episode, steps = replay(env, server, query, blobs)
+    assert episode.status == "terminated" and check_episode(server.app, query, episode)[0]
+    [press] = [s for s in steps if s.action_type == "key"]
+    said = {"keys": ["Enter"]} if env.space == "desktop" else {"key": "Enter"}
+    assert json.loads(press.raw_output) == {"type": "key", **said} and json.loads(press.action_json) == said
+
+
+@pytest.mark.browser
 def test_max_steps_ends_the_episode(shop: BundledApp, env: BrowserEnv, blobs: BlobStore) -> None:
     episode, steps = run_episode(env, ScriptedPolicy([{"type": "wait", "seconds": 0}]), make_query(shop.spec, "cart"),
                                  run_id="t", episode_id="ep-max", blobs=blobs, max_steps=3)
