@@ -12,7 +12,9 @@ of four kinds, each a point to click for an instruction:
   (`instruction_mode: fallback`). With `synth.vision_model` the model also describes the
   element's appearance and place (`description_mode: vision`).
 - **word** and **char**: the OCR's word and character boxes (`llm.ocr`, read once per
-  screenshot per warehouse, shared with the critics).
+  screenshot per warehouse, shared with the critics). A character is asked for by its place in
+  its line's text, spaces counted; the OCR boxes no space, so a line whose boxes do not read its
+  text character for character makes no char row.
 - **region**: dense regions (segment-anything's masks with `synth.sam_checkpoint`, else
   contours of the image: `synth.regions`); the model names what `synth.regions_per_shard` of
   them per shard hold.
@@ -127,7 +129,10 @@ def describe(node: AXNode) -> tuple[str, str]:
     if role in ("textbox", "searchbox", "combobox", "spinbutton"):
         holding = f", now holding '{_short(node.value, 30)}'" if node.value else ", empty"
         return f"A {role} '{name}' to type into{holding}.", f"Click the '{name}' field to type in it"
-    if role in ("checkbox", "radio", "switch", "menuitemcheckbox", "menuitemradio"):
+    if role in ("radio", "menuitemradio"):  # clicking a selected one leaves it selected: there is no "off"
+        now = "selected" if state in ("checked", "selected") else "not selected"
+        return f"A {role} '{name}', now {now}, that selects its option.", f"Select '{name}'"
+    if role in ("checkbox", "switch", "menuitemcheckbox"):
         now = "on" if state in ("checked", "selected") else "off"
         turn = "off" if now == "on" else "on"
         return f"A {role} '{name}', now {now}, that switches its setting.", f"Turn '{name}' {turn}"
@@ -183,6 +188,15 @@ def _request_key(node: AXNode) -> str:
     """What the element's template request says, whatever the element's state (a checkbox's "Turn 'X' on" and
     "Turn 'X' off" mean one checkbox): two elements shown with one key are one request with two answers."""
     return describe(AXNode(0, node.role, node.name))[1].casefold()
+
+
+def _char_positions(line: OcrLine) -> tuple[int, ...]:
+    """Where each of the line's character boxes is in its text: the OCR gives one box per character that is not
+    whitespace, so the n-th box is the n-th such character of the text, not its n-th character ("t" is box 4 of
+    "Add to cart" and character 5). Empty where the boxes do not read the text character for character: then no
+    box can be placed."""
+    positions = tuple(i for i, c in enumerate(line.text) if not c.isspace())
+    return positions if [c.text for c in line.chars] == [line.text[i] for i in positions] else ()
 
 
 def _ocr_words(box: tuple[float, ...], lines: tuple[OcrLine, ...]) -> list[OcrSpan | OcrLine]:
@@ -270,9 +284,13 @@ def ground_screen(screen: Screen, png: bytes, lines: tuple[OcrLine, ...], region
             instruction=template, instruction_mode="template", description_mode="ax", detector=detector,
             iou=round(overlap, 3)))
     for li, line in enumerate(lines):
+        positions = _char_positions(line)
         for kind, spans in (("word", line.words), ("char", line.chars)):
             if kind == "char" and line_count[_short(line.text).casefold()] > 1:
                 out.dropped["char: its line's text is not unique on the screen"] += len(spans)
+                continue
+            if kind == "char" and len(positions) != len(spans):  # a request naming a guessed position is wrong
+                out.dropped["char: its boxes do not read its line's text character for character"] += len(spans)
                 continue
             for si, span in enumerate(spans):
                 if kind == "word" and word_count[span.text.casefold()] > 1:
@@ -286,8 +304,9 @@ def ground_screen(screen: Screen, png: bytes, lines: tuple[OcrLine, ...], region
                     description, instruction = f"The word '{span.text}' in '{_short(line.text)}'.", \
                         f"Click the word '{span.text}'"
                 else:
-                    description = f"Character {si + 1} of the text '{_short(line.text)}'."
-                    instruction = f"Point at the character '{span.text}' (character {si + 1} of '{_short(line.text)}')"
+                    at = positions[si] + 1
+                    description = f"Character {at} of the text '{_short(line.text)}'."
+                    instruction = f"Point at the character '{span.text}' (character {at} of '{_short(line.text)}')"
                 box = [float(v) for v in span.box]
                 out.rows.append(GroundingSample(
                     **base, sample_id=short_id(screen.screenshot, kind, str(li), str(si)), kind=kind, box=box,

@@ -5,15 +5,17 @@ Per app (one unit of work):
 - **Manuals.** The app's successful trajectories (reference demonstrations, which the
   checker passed, and rollouts the critics accepted) are grouped by task family: the
   query's source and its goal (the last page of its path, or an atomic query's operation).
-  Each family's trajectories, as page transitions and actions, are distilled by the model
-  into a manual; an answer that does not parse keeps the template manual below
-  (`mode: fallback`, counted), since the trajectories teach even when the model cannot
-  write. Its value is measured: `synth.manual_trials` of the family's queries are
-  rolled out again with the configured policy and the manual as guidance, and the row keeps
-  their success rate before (the query history) and with it. Trials run for the first
-  `synth.measured_manuals_per_app` families of an app (each is a policy episode); their
+  Each family's trajectories, as page transitions and actions (`action_words`: with the text
+  typed, the key pressed, the way a swipe or scroll went), are distilled by the model into a
+  manual; an answer that does not parse keeps the template manual below (`mode: fallback`,
+  counted), since the trajectories teach even when the model cannot write. Its value is
+  measured: `synth.manual_trials` of the family's queries are rolled out again with the
+  configured policy and the manual as guidance, and the row keeps their success rate before
+  (the query history) and with it. Trials run for the first `synth.measured_manuals_per_app`
+  families of an app (each is a policy episode); their
   episodes are not written to `episodes` (their ids are on the manual row). A manual
-  whose family, trajectories and configuration are unchanged is not written again.
+  whose family, trajectories, configuration and prompt versions are unchanged is not written
+  again, unless it is the template fallback: then the next run asks the model again.
 - **Plans.** The model plans `synth.plans_per_app` walks over the app's pages and names the
   complex task each does: from the start page along the page graph's transitions, each step
   names its page and the element (of the transition to the next step's page) used there; the
@@ -24,8 +26,10 @@ Per app (one unit of work):
   answers to a schema), is dropped with the step and the name as its reason (`check_plan`).
   So is a plan whose task is the prompt's example, copied, or whose task is obviously wrong
   (`task_problem`: cut off at its length limit, written in the prompt's notation of ways, or
-  naming nothing of its walk). What each step does is written from the graph (`step_texts`:
-  the transition's actions, its `{slot}`s bound by the element named), not by the model.
+  naming nothing of its walk), or names a choice its walk does not make (`choice_problem`: a
+  dish or size no step picks or leaves open). What each step does is written from the graph
+  (`step_texts`: the transition's actions, its `{slot}`s bound by the element named), not by
+  the model.
 
 Both become `train_planning` chat samples (text only). With `synth.writer: template` no model
 is asked: a manual is the first trajectory's transitions, one line each, and no plan is made.
@@ -44,6 +48,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
+from trajforge.envs import actions
 from trajforge.envs.kinds import check_episode, kind_for
 from trajforge.envs.operations import parse_operations
 from trajforge.envs.spec import AppSpec, Transition, placeholders
@@ -112,14 +117,52 @@ class AppPlanning:
     history: dict[str, tuple[int, int]]
     """query id -> (attempts, successes) so far."""
     written: frozenset[str]
-    """Manual and plan ids already in the warehouse (same inputs and configuration): not written again."""
+    """Manual and plan ids already in the warehouse (same inputs, configuration and prompt versions; a manual the
+    model could not write, only once it has): not written again."""
     config: str
+    """The config hash, with the prompts' versions (`prompt_fingerprint`): part of every manual and plan id."""
+
+
+def _direction(dx: float, dy: float) -> str:
+    """The way a move goes on the screen (y grows downwards), by its larger part; none for no move."""
+    if not dx and not dy:
+        return ""
+    if abs(dy) >= abs(dx):
+        return " down" if dy > 0 else " up"
+    return " right" if dx > 0 else " left"
+
+
+def action_words(step: Step) -> str:
+    """A recorded action in words for a manual, with what it was done with, since a manual that leaves it out
+    cannot be followed: the text typed (a secret's placeholder as `action_json` keeps it, never its value), the
+    key pressed, which way a swipe, drag or scroll went; and the element it was done on, where the step names one
+    ("type 'Pad Thai' into searchbox 'Search dishes'", "press Enter", "swipe up", "click link 'Cart'")."""
+    target = f"{step.target_role or 'element'} '{step.target_name}'" if step.target_name else ""
+    if not step.action_valid:  # not done, and its arguments are not checked: the type alone
+        return f"{step.action_type} {target}".strip()
+    args = actions.normalize({"type": step.action_type, **json.loads(step.action_json)})  # "press" is "key"
+    kind = args["type"]
+    if kind == "type":
+        said = f"type '{args['text']}'" + (f" into {target}" if target else "")
+        return said + (" and press Enter" if args.get("enter") else "")
+    if kind == "key":  # mobile's one `key`, desktop's `keys` pressed together
+        said = "press " + "+".join(args.get("keys") or [args["key"]])
+    elif kind in ("swipe", "drag"):  # the finger's way, from (x, y) to (x2, y2)
+        said = kind + _direction(args["x2"] - args["x"], args["y2"] - args["y"])
+    elif kind == "scroll":  # dy > 0 shows what is below
+        said = kind + _direction(args.get("dx", 0), args["dy"])
+    elif kind == "system_button":
+        said = f"press the {args['button']} button"
+    elif kind in ("open", "answer"):
+        said = f"{kind} '{args['text']}'"
+    else:  # a pointer action: its element says it all
+        return f"{kind} {target}".strip()
+    return f"{said} on {target}" if target else said
 
 
 def _transitions(t: Trajectory) -> dict[str, Any]:
     return {"task": t.query.instruction, "steps": [
-        {"page": s.title_before, "result": s.title_after,
-         "action": f"{s.action_type} {s.target_role or ''} '{s.target_name}'" if s.target_name else s.action_type}
+        {"page": s.title_before, "result": s.title_after, "action": action_words(s)}
         for s in t.steps if s.action_type != "terminate"]}
 
 
@@ -267,6 +310,52 @@ def step_texts(plan: PlanAnswer, spec: AppSpec) -> list[str]:
     return [*texts, f"On {plan.steps[-1].page}: the task is done"]
 
 
+def _named_slots(spec: AppSpec) -> set[str]:
+    """The slots whose values a task may name: those an action clicks (an element's name) or types, not a
+    checkbox's or switch's on and off."""
+    return {n for t in spec.transitions for a in t.actions
+            for n in placeholders(a.name or "") | (placeholders(a.text or "") if a.op == "type" else set())}
+
+
+def choice_problem(plan: PlanAnswer, spec: AppSpec) -> str | None:
+    """Where a followable plan's task names a choice its walk does not make, which one; None when there is none.
+    The task names a slot's value (a dish, a size, a note) as whole words; the walk makes that choice where a
+    step's element fills the slot with it (the link 'Pad Thai' is dish=Pad Thai), or leaves it to the task where a
+    step's way uses the slot without its element filling it ("click radio the size"). "Order the Miso Ramen dish"
+    on a walk that opens Pad Thai, or "Order a large Pad Thai" on one that never chooses a size, is a task the walk
+    does not do. Words of a value inside another value the task names ("ideas" of "Podcast ideas") are that one's."""
+    values = spec.slot_values()
+    picked: dict[str, set[str]] = {}
+    left_open: set[str] = set()
+    for step, after in zip(plan.steps, plan.steps[1:]):
+        way, slots = _way([t for t in spec.transitions if t.source == step.page and t.target == after.page],
+                          step.element, values)
+        for slot, value in slots.items():
+            picked.setdefault(slot, set()).add(value)
+        left_open |= {n for a in way.actions for n in placeholders(a.name or "") | placeholders(a.text or "")} - \
+            set(slots)
+
+    def agrees(slot: str, value: str) -> bool:
+        return slot in left_open or value in picked.get(slot, ())
+
+    task = plan.task.casefold()
+    named: list[tuple[int, int, str, str]] = []  # (start, end, slot, value) of each value the task names
+    for slot in _named_slots(spec):
+        for value in values.get(slot, []):
+            if words := value.casefold().strip(" ."):
+                named += [(m.start(), m.end(), slot, value)
+                          for m in re.finditer(rf"(?<!\w){re.escape(words)}(?!\w)", task)]
+    for start, end, slot, value in sorted(named):
+        if any(s <= start and end <= e and e - s > end - start for s, e, _, _ in named):
+            continue  # a word of a longer value the task names
+        if any((s, e) == (start, end) and agrees(o, v) for s, e, o, v in named):
+            continue  # the walk's choice (of its slot, or of another slot holding the same words)
+        if picked.get(slot):
+            return f"its task names {slot} {value!r}, where its walk picks {', '.join(map(repr, sorted(picked[slot])))}"
+        return f"its task names {slot} {value!r}, which its walk does not choose"
+    return None
+
+
 def check_plan(plan: PlanAnswer, spec: AppSpec) -> str | None:
     """Why the plan cannot be followed in this app from its start page; None when it can: every step is on a
     page of the graph, the first on the start page, and each element (if named) is one the transition to the
@@ -397,6 +486,10 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
                 out.dropped[f"plan: {problem}"] += 1
                 out.stats[f"plan dropped ({unit.app}): task {plan.task!r}"[:200]] += 1
                 continue
+            if (problem := choice_problem(plan, spec)) is not None:
+                out.dropped["plan: its task names a choice its walk does not make"] += 1
+                out.stats[f"plan dropped ({unit.app}): task {plan.task!r}: {problem}"[:200]] += 1
+                continue
             steps = step_texts(plan, spec)
             plan_id = short_id(unit.app, unit.config, plan.model_dump_json())
             if plan_id in drawn:
@@ -429,6 +522,24 @@ def _accepted(ws: Workspace, verdicts: int | None) -> set[str]:
     return set(ws.catalog.newest("verdicts", "episode_id", verdicts).filter(pl.col("success"))["episode_id"])
 
 
+def prompt_fingerprint() -> str:
+    """What the rows depend on beyond the config: the prompts' versions. It is part of the manual and plan ids, so
+    an edited prompt is new work: every manual and plan is asked again."""
+    return ",".join(f"{name}@{load_prompt(name, PROMPTS).version}" for name in (MANUAL, PLAN))
+
+
+def _written(ws: Workspace) -> frozenset[str]:
+    """The manual and plan ids already in the warehouse, which are not written again; not a manual kept as the
+    template because the model's answer was unusable (`mode: fallback`): a later run asks the model again."""
+    ids: set[str] = set()
+    if "manuals" in ws.catalog.tables():
+        ids |= set(ws.catalog.scan("manuals").filter(pl.col("mode") != "fallback").select("manual_id").collect()
+                   ["manual_id"])
+    if "plans" in ws.catalog.tables():
+        ids |= set(ws.catalog.scan("plans").select("plan_id").collect()["plan_id"])
+    return frozenset(ids)
+
+
 def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
     """Every app with successful trajectories so far, its queries (queries@latest) and their history."""
     snapshot = ws.catalog.version("episodes", snapshot)
@@ -449,10 +560,9 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
         counts = ws.catalog.load("query_history", read["query_history"]).group_by("query_id").agg(
             pl.len().alias("n"), pl.col("success").sum().alias("ok"))
         history = {r["query_id"]: (r["n"], r["ok"]) for r in counts.to_dicts()}
-    written = frozenset(
-        ids for table, column in (("manuals", "manual_id"), ("plans", "plan_id")) if table in ws.catalog.tables()
-        for ids in ws.catalog.scan(table).select(column).collect()[column])
-    config = config_hash(ws.settings, SECTIONS)
+    written = _written(ws)
+    fingerprint = prompt_fingerprint()
+    config = config_hash(ws.settings, SECTIONS, fingerprint)
     apps: dict[str, dict[str, list[Trajectory]]] = {}
     stats: Counter[str] = Counter()
     for e in good.to_dicts():
@@ -472,7 +582,7 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
                                  {q.query_id: history[q.query_id] for q in mine if q.query_id in history},
                                  written, config))
     snapshots = {"episodes": snapshot} | ({"queries": queries_snapshot} if queries_snapshot is not None else {}) | read
-    return Inputs(units=units, snapshots=snapshots, stats=stats)
+    return Inputs(units=units, snapshots=snapshots, fingerprint=fingerprint, stats=stats)
 
 
 STAGE = StageDef[Workspace, AppPlanning](
