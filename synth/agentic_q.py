@@ -21,6 +21,14 @@ return V(s) when none does; an invalid candidate scores 0. A group is dropped wh
 actions are all the same, or when its scores' std is below `agentic_q.min_std`; a kept
 group's weight is u(s) = mean(g)^-1 / sum over the night's kept groups of mean(g)^-1. The
 stage runs as one shard so that sum is over the whole night.
+
+A query is taken up again whenever it has new attempts, and its rows in both tables replace
+the ones earlier runs wrote for it (`StageDef.replaces` on `query_id`): the level is a
+property of the query's last n attempts, so the latest version holds each informative
+query's current n attempts once, every step with the level they give now, and none of a
+query now at level 0 or n (3.1 drops it). Writing only the attempts a night added would
+never write the attempts a query had while it waited for its nth, and would leave the
+older ones with a level the query no longer has.
 """
 
 from __future__ import annotations
@@ -284,6 +292,9 @@ STAGE = StageDef[Workspace, QueryAttempts](
     reads="steps",
     writes={"agentic_q_values": "append", "agentic_q_groups": "append"},
     sections=("agentic_q", "synth", "rollout", "llm"),
+    # Not `once`: a query is the same key with new attempts. A redo (a night with a new attempt, a rerun by hand)
+    # takes the query's earlier rows out, so no step is there twice.
+    replaces=("query_id", lambda u: u.query_id),
     load=load_attempts,
     run=estimate,
     shard_size=lambda s: 1_000_000,  # one shard: u(s) is normalised over the whole night's groups

@@ -466,6 +466,8 @@ STAGE = StageDef[Workspace, TrustedEpisode](
     writes={t: "append" for t in TABLES},
     sections=("ces", "synth", "llm"),
     once=True,
+    # An episode done again (another configuration, code or prompt) takes its earlier rows out: a step once.
+    replaces=("episode_id", lambda u: u.episode_id),
     load=load_trusted,
     run=ces,
     shard_size=lambda s: 50,

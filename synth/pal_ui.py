@@ -258,6 +258,8 @@ STAGE = StageDef[Workspace, TrustedEpisode](
     writes={"pal_ui_teacher": "append"},
     sections=("pal_ui", "synth", "llm"),
     once=True,
+    # An episode done again (another configuration, code or prompt) takes its earlier passes out: a step once.
+    replaces=("episode_id", lambda u: u.episode_id),
     load=load_trusted,
     run=teach,
     shard_size=lambda s: 50,

@@ -228,6 +228,9 @@ STAGE = StageDef[Workspace, PalUITeacher](
     writes={"pal_ui_sft": "append"},
     sections=("pal_ui",),
     once=True,
+    # By episode, not by pass: the passes' own rows go on a rebalance (another `pal_ui.retrieval_share`), and so do
+    # the rows of an earlier teacher run's passes of those episodes, which `pal_ui` replaced when it did them again.
+    replaces=("episode_id", lambda r: r.episode_id),
     load=load_passes,
     run=compile_sft,
     shard_size=lambda s: ONE_SHARD,

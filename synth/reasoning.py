@@ -11,7 +11,9 @@ Up to `synth.reasoning_tries` samples per style, a seed each. A step no sample m
 gets one last call that is shown the trusted action (`reasoning_hinted`); its reasoning
 is kept flagged `hinted_with_answer`. A step the Mobile-Agent-v3 roles decided
 (`roles_json`) is distilled instead: the model merges the roles' outputs into one
-reasoning (`reasoning_distill`), paired with the worker's action.
+reasoning (`reasoning_distill`), paired with the worker's action. A step whose roles all
+left no output has no decision to distill (the reasoning would be written from the action
+alone, an answer-hinted one unflagged), so it is sampled as any other trusted step.
 
 A reasoning the model was cut off in (at the prompt's max_tokens) keeps its whole sentences only, and
 none is no reasoning (`reasoning_text`): the act check, the row and its training sample see the same text.
@@ -103,8 +105,8 @@ def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> S
     for unit, index in spread(units, cfg.reasoning_steps_per_shard):
         step = unit.steps[index]
         history = past(unit.steps, index)
-        samples = (_distill(reasoner, unit, step) if step.roles_json
-                   else _sample(reasoner, unit, step, history))
+        roles = _roles(step)
+        samples = _distill(reasoner, unit, step, roles) if roles else _sample(reasoner, unit, step, history)
         out.stats["steps tried"] += 1
         for sample in samples:
             out.rows["reasoning_samples"].append(sample)
@@ -133,14 +135,20 @@ def reasoning_summary(stats: dict[str, int]) -> str | None:
     return f"{tried} trusted steps; accepted reasoning per hint style: {', '.join(shares) or 'none'}"
 
 
+_MISSING = {"no point": "point missing", "no drop point": "drop point missing",
+            "the trusted action has no point": "trusted action has no point"}
+"""`synth.match`'s reasons that name no argument first, as lineage counts ('no differs' read as nonsense)."""
+
+
 def _rejection(why: str) -> str:
-    """A rejected sample's reason as a lineage count: what differed ('point differs', from `synth.match`), or why
-    there was nothing to compare, without its details ('no reasoning: no answer', 'prediction unusable')."""
+    """A rejected sample's reason as a lineage count: what differed ('point differs', from `synth.match`), what was
+    missing, or why there was nothing to compare, without its details ('no reasoning: no answer', 'prediction
+    unusable')."""
     if why.startswith("no reasoning:"):
         return ":".join(why.split(":")[:2])
     if why.startswith("prediction unusable"):
         return "prediction unusable"
-    return f"{why.split(' ')[0]} differs"
+    return _MISSING.get(why, f"{why.split(' ')[0]} differs")
 
 
 def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, attempt: int, answer: Answer,
@@ -149,7 +157,8 @@ def _row(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, style: str, atte
         run_id=reasoner.run_id, reasoning_id=short_id(reasoner.run_id, step.step_id, style, str(attempt)),
         step_id=step.step_id,
         episode_id=unit.episode_id, query_id=unit.query_id, trusted=unit.trusted, hint_style=style, attempt=attempt,
-        reasoning=reasoning_text(answer)[0], raw_output=answer.text, trusted_action_json=step.action_json,
+        reasoning=reasoning_text(answer)[0], raw_output=answer.text,
+        trusted_action_json=json.dumps(trusted_action(step)),  # with its `type`, as predicted_action_json
         model_id=answer.model_id, prompt_version=prompt, **result)
 
 
@@ -178,7 +187,8 @@ def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list
             rows.append(_row(
                 reasoner, unit, step, style, attempt, said, versions, predict_raw_output=act.text,
                 predicted_action_json=json.dumps(predicted) if predicted is not None else None,
-                matched=verdict.ok if verdict else False, kept=bool(verdict and verdict.ok), hinted_with_answer=False,
+                matched=verdict.ok if verdict else None,  # None: an unusable prediction was not compared
+                kept=bool(verdict and verdict.ok), hinted_with_answer=False,
                 match_reason=verdict.reason if verdict else f"prediction unusable: {why}"))
             if verdict and verdict.ok:
                 break
@@ -191,9 +201,11 @@ def _sample(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, history: list
     return rows
 
 
-def _distill(reasoner: _Reasoner, unit: TrustedEpisode, step: Step) -> list[ReasoningSample]:
-    """The roles' outputs merged into one reasoning, paired with the worker's (executed) action."""
-    said = reasoner.ask(DISTILL, task=unit.instruction, roles=_roles(step), action=action_text(step),
+def _distill(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, roles: list[tuple[str, str]]
+             ) -> list[ReasoningSample]:
+    """The roles' outputs (`_roles`, at least one) merged into one reasoning, paired with the worker's (executed)
+    action."""
+    said = reasoner.ask(DISTILL, task=unit.instruction, roles=roles, action=action_text(step),
                         platform=actions.space_for(unit.viewport), width=step.width, height=step.height,
                         screenshots=_screen(step))
     unusable = reasoning_text(said)[1]

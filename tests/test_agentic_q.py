@@ -83,13 +83,45 @@ def _lineage(key: str) -> Lineage:
     return Lineage(stage="test", run_id="made", commit_key=key, config_hash="x", code_version="x")
 
 
-def _write_night(ws: Workspace) -> int:
-    """Four queries: `mid` 2 of 4 attempts succeeded (and one more attempt was an environment fault), `zero` none,
-    `all` every one, `few` only 2 attempts. Each attempt: the first step on one screen, then a terminate."""
+NOW = datetime(2026, 11, 25, tzinfo=UTC)
+
+
+def _attempt(png: str, query: str, n: int, success: bool | None) -> tuple[Episode, Verdict | None, list[Step]]:
+    """Attempt n of a query (None: an environment fault, not judged): the first step on one screen, then a
+    terminate."""
+    episode = f"{query}-{n}"
+    row = Episode(run_id="made", episode_id=episode, query_id=query, app="notes", instruction=f"do {query}",
+                  policy="gui_owl_e2e", model_id="scripted", prompt_version="gui_owl_e2e@2", viewport="mobile",
+                  status="env_fault" if success is None else "terminated", num_steps=2, final_url="http://app/",
+                  final_state_json="{}", started_at=NOW.replace(minute=n), finished_at=NOW.replace(minute=n))
+    if success is None:
+        return row, None, []
+    verdict = Verdict(run_id="made", verdict_id=f"v-{episode}", episode_id=episode, query_id=query, success=success,
+                      consensus="checker_first", channels_json="{}", reason="test", config_hash="x")
+    first = A if success else B
+    steps = [Step(
+        run_id="made", step_id=f"{episode}-{i}", episode_id=episode, step_index=i,
+        screenshot_before=png, screenshot_after=png, width=390, height=844,
+        url_before=f"http://app/{i}", url_after="http://app/1", title_before="t", title_after="t",
+        ax_tree_before=TREE, action_type=action["type"],
+        action_json=json.dumps({k: v for k, v in action.items() if k != "type"}), action_valid=True,
+        target_role="button" if i == 0 else None, target_name=("A" if success else "B") if i == 0 else None,
+        target_box=([40, 40, 20, 20] if success else [140, 140, 20, 20]) if i == 0 else None,
+        thought="I tap it", raw_output="", duration_ms=1.0)
+        for i, action in enumerate([first, {"type": "terminate", "status": "success"}])]
+    return row, verdict, steps
+
+
+def _screen(ws: Workspace) -> str:
     buffer = io.BytesIO()
     Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
-    png = ws.blobs.put(buffer.getvalue()).sha256
-    now = datetime(2026, 11, 25, tzinfo=UTC)
+    return ws.blobs.put(buffer.getvalue()).sha256
+
+
+def _write_night(ws: Workspace) -> int:
+    """Four queries: `mid` 2 of 4 attempts succeeded (and one more attempt was an environment fault), `zero` none,
+    `all` every one, `few` only 2 attempts."""
+    png = _screen(ws)
     queries: list[Query] = []
     episodes: list[Episode] = []
     steps: list[Step] = []
@@ -98,31 +130,12 @@ def _write_night(ws: Workspace) -> int:
     for query, outcomes in plan.items():
         queries.append(Query(run_id="made", query_id=query, app="notes", source="page_graph", instruction=f"do {query}",
                             path=["home"], slots_json="{}", checker="state_has", checker_params_json="{}",
-                            max_steps=5, generator="test", created_at=now))
+                            max_steps=5, generator="test", created_at=NOW))
         for n, success in enumerate(outcomes + ([None] if query == "mid" else [])):
-            episode = f"{query}-{n}"
-            episodes.append(Episode(run_id="made", episode_id=episode, query_id=query, app="notes",
-                                 instruction=f"do {query}", policy="gui_owl_e2e", model_id="scripted",
-                                 prompt_version="gui_owl_e2e@2", viewport="mobile",
-                                 status="env_fault" if success is None else "terminated", num_steps=2,
-                                 final_url="http://app/", final_state_json="{}",
-                                 started_at=now.replace(minute=n), finished_at=now.replace(minute=n)))
-            if success is None:
-                continue
-            verdicts.append(Verdict(run_id="made", verdict_id=f"v-{episode}", episode_id=episode, query_id=query,
-                                 success=success, consensus="checker_first", channels_json="{}", reason="test",
-                                 config_hash="x"))
-            first = A if success else B
-            for i, action in enumerate([first, {"type": "terminate", "status": "success"}]):
-                steps.append(Step(
-                    run_id="made", step_id=f"{episode}-{i}", episode_id=episode, step_index=i,
-                    screenshot_before=png, screenshot_after=png, width=390, height=844,
-                    url_before=f"http://app/{i}", url_after="http://app/1", title_before="t", title_after="t",
-                    ax_tree_before=TREE, action_type=action["type"],
-                    action_json=json.dumps({k: v for k, v in action.items() if k != "type"}), action_valid=True,
-                    target_role="button" if i == 0 else None, target_name=("A" if success else "B") if i == 0 else None,
-                    target_box=([40, 40, 20, 20] if success else [140, 140, 20, 20]) if i == 0 else None,
-                    thought="I tap it", raw_output="", duration_ms=1.0))
+            episode, verdict, made = _attempt(png, query, n, success)
+            episodes.append(episode)
+            verdicts += [verdict] if verdict else []
+            steps += made
     for table, rows in (("queries", queries), ("episodes", episodes), ("verdicts", verdicts)):
         ws.catalog.commit_rows(table, rows, _lineage(table))
     return ws.catalog.commit_rows("steps", steps, _lineage("steps"))
@@ -187,3 +200,23 @@ def test_a_group_whose_candidates_all_agree_is_dropped_and_weighs_nothing(night,
     assert not group.kept and group.drop_reason == "identical actions" and group.weight is None
     assert group.advantages == [0.0] * 4
     assert out.dropped["group dropped: identical actions"] == 1
+
+
+def test_a_query_taken_up_again_holds_each_step_once_with_its_new_level(tmp_path, policy):
+    """Night 2 adds a failed attempt of `mid`: its last 4 attempts are now 1, 2, 3 and 5 (4 was an environment
+    fault), level 1. The latest version holds those attempts' steps once each, all at level 1, and the group of
+    the new window; attempt 0, out of the window, is gone. A rerun by hand on the same input changes nothing."""
+    ws = workspace(tmp_path, policy.url)
+    run_inline(agentic_q.STAGE, ws, ws.ledger.open_run("test", "night 1").run_id, _write_night(ws))
+    episode, verdict, steps = _attempt(_screen(ws), "mid", 5, False)
+    ws.catalog.commit_rows("episodes", [episode], _lineage("episodes 2"))
+    ws.catalog.commit_rows("verdicts", [verdict], _lineage("verdicts 2"))
+    night_2 = ws.catalog.commit_rows("steps", steps, _lineage("steps 2"))
+    window = {f"mid-{n}-{i}" for n in (1, 2, 3, 5) for i in (0, 1)}
+    for run in ("night 2", "by hand"):
+        run_inline(agentic_q.STAGE, ws, ws.ledger.open_run("test", run).run_id, night_2)
+        values = ws.catalog.load("agentic_q_values").to_dicts()
+        assert sorted(v["step_id"] for v in values) == sorted(window)
+        assert {v["level"] for v in values} == {1}
+        [group] = ws.catalog.load("agentic_q_groups").to_dicts()
+        assert group["level"] == 1 and group["observed"] == 4

@@ -385,3 +385,17 @@ def test_a_state_the_tracker_cannot_write_is_replaced_by_the_trusted_actions_and
     assert groups  # the tracker's groups are still written, with nothing to learn from
     for g in groups:
         assert g.states == [None] * 4 and g.rewards == [0.0] * 4 and g.zero_variance
+
+
+def test_an_episode_done_again_with_another_configuration_replaces_its_rows(recorded, model):
+    """Rerun on the same steps with another reward weight, the stage does every episode again; each table's
+    latest version holds each step once, the newest run's, rather than both runs' rows."""
+    root, _, snapshots = recorded
+    for alpha in (0.2, 0.3):
+        ws = workspace(root, model.url, steps_per_shard=2, alpha_format=alpha, alpha_exec=1 - alpha)
+        run = ws.ledger.open_run("test", f"alpha {alpha}").run_id
+        run_inline(ces.STAGE, ws, run, snapshots["steps"])
+    for table in ces.TABLES:
+        rows = ws.catalog.load(table).to_dicts()
+        assert rows and {r["run_id"] for r in rows} == {run}, table
+        assert len({r["step_id"] for r in rows}) == len(rows), table

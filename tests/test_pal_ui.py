@@ -330,3 +330,25 @@ def test_balancing_other_shares_and_a_missing_class(recorded, model):
     assert pal_ui_sft.weight_of(5, 0.25) == 2.0 and pal_ui_sft.weight_of(None, 0.25) == 1.0
     assert pal_ui_sft.image_tokens(390, 844) == 14 * 31
 
+
+def test_passes_and_their_balance_done_again_replace_the_earlier_rows(recorded, model):
+    """The teacher rerun with another configuration, then the training table rebalanced at another share: each
+    table's latest version holds each step once, from the newest run, and no row of a pass the teacher replaced."""
+    root, snapshots = recorded
+    model.retrieve, model.wrong, model.wrong_first, model.blank = 0, False, 0, False
+    runs = []
+    for weight, share in ((0.5, 0.5), (1.0, 0.5), (1.0, 0.4)):
+        ws = workspace(root, model.url, cache=False, min_step=1, distance_weight=weight, retrieval_share=share)
+        runs.append(ws.ledger.open_run("test", f"weight {weight} share {share}").run_id)
+        if share == 0.5:  # the last run rebalances the second's passes
+            teacher = run_inline(pal_ui.STAGE, ws, runs[-1], snapshots["steps"])["pal_ui_teacher"]
+        run_inline(pal_ui_sft.STAGE, ws, runs[-1], teacher)
+    passes = ws.catalog.load("pal_ui_teacher").to_dicts()
+    assert passes and {p["run_id"] for p in passes} == {runs[1]}
+    assert len({p["step_id"] for p in passes}) == len(passes)
+    # Each step once; rows this test's runs did not replace are earlier tests' (their passes were of episodes the
+    # budget of 3 did not reach here).
+    chats = ws.catalog.load("pal_ui_sft").to_dicts()
+    assert len({c["step_id"] for c in chats}) == len(chats) and not {runs[0], runs[1]} & {c["run_id"] for c in chats}
+    assert sorted(c["source_id"] for c in chats if c["run_id"] == runs[2]) == sorted(
+        p["sample_id"] for p in passes if p["kept"])
