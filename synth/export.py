@@ -101,8 +101,10 @@ def export(units: list[ExportUnit], *, run_id: str, tag: str, blobs: BlobStore, 
             label = critique.label if critique else None
             summary = (critique.summary if critique else None) or f"{step.action_type} {step.action_json}"
             score = critic_score(label)
+            # A reference replay's thought is written from its own action ("transition 2/5 (search -> dish): press
+            # Enter."), consistent by construction; its page ids would read as element names ("Search").
             verdict = consistent(step.thought, step.action_type, step.target_name, step.ax_tree_before) \
-                if settings.consistency == "rules" else None
+                if settings.consistency == "rules" and unit.episode.policy != "replay" else None
             if score is None:
                 out.dropped["step not judged by the step critic"] += 1
             elif score < settings.tau_c:

@@ -98,6 +98,10 @@ def test_filter_2_drops_a_thought_that_names_another_element_or_action(blobs):
     assert [r.step_id for r in out.rows["train_e2e"]] == ["e:0"]
     assert out.dropped == {"filter 2: the thought names another element": 1}
     assert len(_export([unit], blobs, consistency="off").rows["train_e2e"]) == 2
+    # a reference replay's thought is written from its action ("transition 2/5 (search -> dish): press Enter.",
+    # where a "Search" button is on the screen): it is not read
+    replayed = ExportUnit(_episode().model_copy(update={"policy": "replay"}), steps, True, unit.labels)
+    assert len(_export([replayed], blobs).rows["train_e2e"]) == 2
 
 
 def test_filter_2_reads_whole_element_names_the_longest_first_and_verbs_beside_them():
