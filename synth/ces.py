@@ -361,7 +361,8 @@ def _sft(c: _CES, unit: TrustedEpisode, states: list[Silver], tag: str, out: Sta
     space = actions.space_for(unit.viewport)
     for index, step in enumerate(unit.steps):
         if not unit.imitable(index):
-            why = "an invalid action" if not step.action_valid else "labelled HARMFUL by the step critic"
+            why = ("an invalid action" if not step.action_valid else "labelled HARMFUL by the step critic"
+                   if step.step_id in unit.harmful else "it changed nothing: pre-filter no_change")
             out.dropped[f"SFT: step not imitated ({why})"] += 1
             continue
         before, after = _before(states, index), states[index]

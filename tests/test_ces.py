@@ -9,6 +9,7 @@ scripted Executor carries out the instructions it knows.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -197,6 +198,10 @@ def test_a_step_the_step_critic_labelled_harmful_is_history_not_a_target(tmp_pat
     assert [r.step_id for r in out.rows["ces_state_tracker_sft"]] == ["e:0", "e:2"]
     assert out.dropped == {"SFT: step not imitated (labelled HARMFUL by the step critic)": 1,
                            "SFT: step not imitated (an invalid action)": 1}
+    idle = dataclasses.replace(unit, harmful=frozenset(), no_change=frozenset({"e:1"}))
+    out = StageOutput(rows={t: [] for t in ces.TABLES})
+    ces._sft(ces._CES(ws, out, "r"), idle, states, "t", out)
+    assert out.dropped["SFT: step not imitated (it changed nothing: pre-filter no_change)"] == 1
     assert ces._fallback_state(steps, 3) == "Done so far: " + "; ".join(["Click the link 'Cart'"] * 3) + "."
 
 
