@@ -522,9 +522,17 @@ class ChatSample(Record):
 class GroundingChat(ChatSample):
     table: ClassVar[str] = "train_grounding"
 
+    screenshot: str | None = Field(
+        default=None, description="sha256 of the screenshot its questions are about: grounding the screen again "
+        "replaces its rows (`StageDef.replaces`). None in rows written before it was kept.")
+
 
 class SemanticsChat(ChatSample):
     table: ClassVar[str] = "train_semantics"
+
+    episode_id: str | None = Field(default=None, description=(
+        "The episode of the step it teaches: a redo of the semantics stage replaces its rows by it (None in rows "
+        "written before the column was)."))
 
 
 class PlanningChat(ChatSample):
@@ -564,6 +572,9 @@ class ReasoningChat(ChatSample):
 
     hint_style: str
     hinted_with_answer: bool
+    episode_id: str | None = Field(default=None, description=(
+        "The episode of the step it teaches: a redo of the reasoning stage replaces its rows by it (None in rows "
+        "written before the column was)."))
 
 
 class QValueSample(Record):

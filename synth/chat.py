@@ -33,10 +33,10 @@ def centre(box: list[float]) -> list[float]:
 
 
 def chat_sample(model: type[C], *, run_id: str, sample_id: str, source_id: str, system: str,
-                turns: list[tuple[str, str]], images: list[bytes], tag: str) -> C:
+                turns: list[tuple[str, str]], images: list[bytes], tag: str, **columns: Any) -> C:
     """One training row: a system turn, then (user, assistant) turns; the first user turn shows the images,
     then its text. Several questions about one screenshot share one copy of it (a 60 KB PNG per row would
-    dwarf the text: shared/FACTS.md)."""
+    dwarf the text: shared/FACTS.md). `columns` are the table's own further columns (`SemanticsChat.episode_id`)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": [{"type": "text", "text": system}]}]
     for i, (user, answer) in enumerate(turns):
         content: list[dict[str, Any]] = [{"type": "image"} for _ in images] if i == 0 else []
@@ -44,7 +44,7 @@ def chat_sample(model: type[C], *, run_id: str, sample_id: str, source_id: str, 
         messages += [{"role": "user", "content": content},
                      {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
     return model(run_id=run_id, sample_id=sample_id, source_id=source_id, messages_json=json.dumps(messages),
-                 images=images, tag=tag)
+                 images=images, tag=tag, **columns)
 
 
 def chat_messages(rendered: RenderedPrompt, answer: str, blobs: BlobStore) -> tuple[str, list[bytes]]:

@@ -34,7 +34,8 @@ its block read its name (detector `ocr-name`), with the text's extent as its box
 the text and not on the empty end of its block.
 
 Screens already grounded by an earlier run with the same configuration are skipped, so a
-rerun with nothing new asks no model and reads no new OCR. Coordinates follow `synth.chat`.
+rerun with nothing new asks no model and reads no new OCR; a screen grounded again with another
+configuration replaces its earlier rows in both tables (`StageDef.replaces`). Coordinates follow `synth.chat`.
 """
 
 from __future__ import annotations
@@ -444,7 +445,8 @@ def training_rows(rows: list[GroundingSample], screen: Screen, png: bytes, *, ru
                 for r in chunk]
             samples.append(chat_sample(
                 GroundingChat, run_id=run_id, sample_id=short_id(run_id, screen.screenshot, kind, str(start)),
-                source_id=",".join(r.sample_id for r in chunk), system=system, turns=turns, images=[png], tag=tag))
+                source_id=",".join(r.sample_id for r in chunk), system=system, turns=turns, images=[png], tag=tag,
+                screenshot=screen.screenshot))
     return samples
 
 
@@ -554,6 +556,9 @@ STAGE = StageDef[Workspace, Screen](
     key=lambda s: s.screenshot,
     reads="steps",
     writes={"grounding": "append", "train_grounding": "append"},
+    # A screen grounded again (another configuration or prompt version) takes its earlier rows out of both
+    # tables in the commit that adds its new ones: `grounding@latest` holds each screen's newest rows once.
+    replaces=("screenshot", lambda s: s.screenshot),
     sections=SECTIONS,
     load=load_screens,
     run=ground,

@@ -120,7 +120,7 @@ def reason(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> S
             out.rows["train_reasoning"].append(ReasoningChat(
                 run_id=run_id, sample_id=short_id(run_id, sample.reasoning_id), source_id=sample.reasoning_id,
                 messages_json=messages_json, images=images, tag=tag, hint_style=sample.hint_style,
-                hinted_with_answer=sample.hinted_with_answer))
+                hinted_with_answer=sample.hinted_with_answer, episode_id=step.episode_id))
     return out
 
 
@@ -223,6 +223,8 @@ STAGE = StageDef[Workspace, TrustedEpisode](
     writes={"reasoning_samples": "append", "train_reasoning": "append"},
     sections=("synth", "llm"),
     once=True,
+    # An episode done again (another configuration, code or prompt) takes its earlier rows out: a step once.
+    replaces=("episode_id", lambda u: u.episode_id),
     load=load_trusted,
     run=reason,
     shard_size=lambda s: 50,

@@ -20,6 +20,10 @@ A step that ends the episode or only answers has no screen effect and makes no r
 a step whose screen did not change (the same screenshot blob before and after: any action that
 does nothing would fit its label), or an invalid action; each is counted with its reason, as is a step whose
 screenshot blob is missing or corrupt.
+
+The unit is an episode, done once per configuration (`StageDef.once`); done again (another configuration, code
+or prompt version), its new rows replace those earlier runs wrote for it in both tables, in the same version
+(`StageDef.replaces`), so each step's newest rows are there once.
 """
 
 from __future__ import annotations
@@ -215,7 +219,7 @@ def semantics(units: list[EpisodeSteps], ws: Workspace, run_id: str, _: str) -> 
             turns=[("The first screenshot is the screen before one action, the second the screen after it. Which "
                     "action turned the first into the second? Answer with one <tool_call>.",
                     _tool_call(step, unit.viewport))],
-            images=[before, after], tag=tag))
+            images=[before, after], tag=tag, episode_id=step.episode_id))
     budget = ws.settings.synth.described_per_shard if ws.settings.synth.writer == "model" else 0
     worth_describing = sorted(usable, key=lambda u: not u[1].target_name)
     for unit, step, before, after in worth_describing[:budget]:  # a target named first
@@ -240,7 +244,7 @@ def semantics(units: list[EpisodeSteps], ws: Workspace, run_id: str, _: str) -> 
             turns=[("The first screenshot is the screen before an action, drawn on it (a red ring where it acted, a "
                     "green box around its target); the second is the screen after it. Describe the action and its "
                     "effect in one sentence.", description)],
-            images=[drawn, after], tag=tag))
+            images=[drawn, after], tag=tag, episode_id=step.episode_id))
     out.stats["tier-1 rows"] += sum(r.tier == "action" for r in out.rows["action_semantics"])  # type: ignore[union-attr]
     out.stats["tier-2 rows"] += sum(r.tier == "description" for r in out.rows["action_semantics"])  # type: ignore[union-attr]
     return out
@@ -265,6 +269,7 @@ STAGE = StageDef[Workspace, EpisodeSteps](
     writes={"action_semantics": "append", "train_semantics": "append"},
     sections=("synth", "llm"),
     once=True,
+    replaces=("episode_id", lambda u: u.episode_id),
     load=load_episodes,
     run=semantics,
     shard_size=lambda s: 25,

@@ -11,6 +11,8 @@ import dataclasses
 import io
 import json
 import re
+import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +33,10 @@ from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
 from trajforge.schemas.config import Settings
-from trajforge.schemas.records import Step
+from trajforge.schemas.records import Query, Step
 from trajforge.schemas.stage import config_hash
 from trajforge.synth import grounding, planning, reasoning, semantics
+from trajforge.synth.chat import policy_messages
 from trajforge.tasks.runner import run_inline
 
 pytestmark = pytest.mark.browser
@@ -261,6 +264,48 @@ def test_a_request_two_things_on_the_screen_answer_is_not_asked():
     assert out.dropped["element: covered by another element when recorded"] == 1
 
 
+def test_a_character_request_names_its_place_in_the_text_spaces_counted():
+    """The OCR boxes the characters that are not spaces: the request names each one's place in the text the user
+    reads ('t' is box 4 of 'Add to cart' and its character 5), and a line whose boxes do not read its text (one
+    box too few) makes no char row rather than rows naming guessed places."""
+    def line(text: str, y: int, chars: str) -> OcrLine:
+        boxes = tuple(OcrSpan(c, (10 + 10 * i, y, 10, 30)) for i, c in enumerate(chars))
+        return OcrLine(text, 1.0, (10, y, 10 * len(chars), 30), (), boxes)
+
+    lines = (line("Add to cart", 100, "Addtocart"), line("Check out", 200, "Chekout"))
+    screen = grounding.Screen("s" * 64, 390, 844, "shop", "/", "Shop", "e:0", "mobile", "")
+    out = grounding.ground_screen(screen, b"", lines, [], run_id="t", iou_threshold=0.5)
+    chars = [r for r in out.rows if r.kind == "char"]
+    assert [r.instruction for r in chars][3:5] == ["Point at the character 't' (character 5 of 'Add to cart')",
+                                                   "Point at the character 'o' (character 6 of 'Add to cart')"]
+    for row in chars:  # every place named is the character asked for
+        at = int(re.search(r"character (\d+) of", row.instruction).group(1))
+        assert "Add to cart"[at - 1] == row.text, row.instruction
+    assert len(chars) == 9
+    assert out.dropped["char: its boxes do not read its line's text character for character"] == 7
+
+
+def test_a_radio_is_asked_to_be_selected_never_turned_off():
+    """Clicking a selected radio leaves it selected: its request is "Select 'X'" in either state (one request key,
+    so two radios of one name are still one request with two answers), where a checkbox is turned on or off."""
+    def request(role: str, *states: str) -> str:
+        return grounding.describe(AXNode(0, role, "Large", states))[1]
+
+    for role in ("radio", "menuitemradio"):
+        assert request(role, "checked") == request(role) == "Select 'Large'"
+    assert (request("checkbox", "checked"), request("checkbox")) == ("Turn 'Large' off", "Turn 'Large' on")
+    tree = render([AXNode(0, "radio", "Large", ("checked",), box=(10, 100, 110, 30)),
+                   AXNode(0, "radio", "Small", ("checked",), box=(10, 200, 110, 30)),
+                   AXNode(0, "radio", "Small", box=(10, 300, 110, 30))])
+    screen = grounding.Screen("s" * 64, 390, 844, "shop", "/", "Shop", "e:0", "mobile", tree)
+    lines = tuple(OcrLine(t, 1.0, (10, y, 110, 30), (OcrSpan(t, (10, y, 110, 30)),), ())
+                  for t, y in (("Large", 100), ("Small", 200), ("Small", 300)))
+    out = grounding.ground_screen(screen, b"", lines, [], run_id="t", iou_threshold=0.5)
+    assert [r.instruction for r in out.rows if r.kind == "element"] == ["Select 'Large'"]
+    assert out.dropped["element: not unique on the screen (another element shown is asked for by the same role "
+                       "and name)"] == 2
+
+
 def test_a_heading_wider_than_its_text_is_kept_as_its_text_when_the_ocr_reads_its_name(grounded):
     """A full-width heading's block has an IoU far below tau_g with its text; kept with the text's extent as its
     box (so its point is on the text), where a block whose name the OCR does not read there is still dropped."""
@@ -344,6 +389,66 @@ def test_an_action_that_changed_nothing_makes_no_inverse_dynamics_row(tmp_path):
                               ws.ledger.open_run("test", "semantics").run_id, "")
     assert [r.step_id for r in out.rows["action_semantics"]] == ["e:0"] and len(out.rows["train_semantics"]) == 1
     assert out.dropped == {"the screen did not change (one screenshot before and after)": 1}
+
+
+def test_a_desktop_key_press_recorded_in_the_phones_form_is_taught_as_computer_uses_keys(tmp_path):
+    """Desktop steps recorded before the recorder stored each space's own form say {"key": "enter"}; the desktop
+    tool has only `keys`, so every training answer made from such a step (semantics' inverse dynamics, the
+    policy's own step) calls `computer_use` with ["Enter"], the key the env pressed."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={"writer": "template"}))
+    shots = []
+    for shade in (0, 90):
+        buffer = io.BytesIO()
+        Image.new("RGB", (1280, 800), (shade, shade, shade)).save(buffer, format="PNG")
+        shots.append(ws.blobs.put(buffer.getvalue()).sha256)
+    step = Step(run_id="r", step_id="e:0", episode_id="e", step_index=0, screenshot_before=shots[0],
+                screenshot_after=shots[1], width=1280, height=800, url_before="u", url_after="u", title_before="t",
+                title_after="t", ax_tree_before="", action_type="key", action_json='{"key": "enter"}',
+                action_valid=True, thought="", raw_output="", duration_ms=1)
+    want = {"name": "computer_use", "arguments": {"action": "key", "keys": ["Enter"]}}
+    out = semantics.semantics([semantics.EpisodeSteps("e", "desktop", "task", [step])], ws,
+                              ws.ledger.open_run("test", "semantics").run_id, "")
+    [sample] = out.rows["train_semantics"]
+    answer = json.loads(sample.messages_json)[-1]["content"][0]["text"]
+    assert json.loads(answer.removeprefix("<tool_call>").removesuffix("</tool_call>")) == want
+    messages_json, _ = policy_messages(instruction="task", viewport="desktop", step=step, history=[], thought="t",
+                                       summary="s", blobs=ws.blobs)
+    answer = json.loads(messages_json)[-1]["content"][0]["text"]
+    assert json.loads(answer.split("<tool_call>")[1].removesuffix("</tool_call>")) == want
+
+
+def test_semantics_done_again_with_another_configuration_replaces_the_episodes_rows(tmp_path):
+    """A unit is an episode, done once per configuration; done again (here another `synth.semantics_votes`), its
+    new rows take the place of its earlier ones in both tables, so each step is there once in the latest version
+    (the version before keeps the old rows)."""
+    def night(votes: int) -> tuple[Workspace, str, dict[str, int]]:
+        ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"},
+                                     synth={"writer": "template", "semantics_votes": votes}))
+        run = ws.ledger.open_run("test", f"votes-{votes}").run_id
+        return ws, run, run_inline(semantics.STAGE, ws, run, steps_at)
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    shots = []
+    for shade in (0, 90, 180):
+        buffer = io.BytesIO()
+        Image.new("RGB", (390, 844), (shade, shade, shade)).save(buffer, format="PNG")
+        shots.append(ws.blobs.put(buffer.getvalue()).sha256)
+    run = ws.ledger.open_run("test", "rollout").run_id
+    steps = [Step(run_id=run, step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=shots[i],
+                  screenshot_after=shots[i + 1], width=390, height=844, url_before="u", url_after="u",
+                  title_before="t", title_after="t", ax_tree_before="", action_type="click",
+                  action_json='{"x": 50, "y": 25}', action_valid=True, thought="", raw_output="", duration_ms=1)
+             for i in range(2)]
+    steps_at = ws.catalog.commit_rows("steps", steps, Lineage(
+        stage="rollout", run_id=run, commit_key=commit_key(run, "rollout", "steps"), config_hash="-",
+        code_version="-"))
+    _, _, first = night(2)
+    ws, redo, again = night(3)
+    for table in ("action_semantics", "train_semantics"):
+        latest = ws.catalog.load(table, again[table])
+        assert latest.height == 2 and set(latest["run_id"]) == {redo}, table
+        assert ws.catalog.load(table, first[table]).height == 2
+    assert sorted(ws.catalog.load("action_semantics", again["action_semantics"])["step_id"]) == ["e:0", "e:1"]
 
 
 def test_an_unparsable_check_leaves_the_rules_to_score(recorded, model):
@@ -453,6 +558,74 @@ def test_a_plans_steps_are_the_graphs_actions_and_its_task_must_name_its_walk():
         "its task was cut off at its length limit"
 
 
+def test_a_plans_task_naming_a_choice_its_walk_does_not_make_is_dropped(recorded, model, monkeypatch):
+    """A task naming a slot's value (a dish, a size) the walk does not pick contradicts its own steps: dropped with
+    the value and the walk's pick. A value the walk picks, or one of a slot a step leaves open ("click radio the
+    size"), agrees; so do the words of another value inside one the task names ("ideas" of a note's title)."""
+    shop, notes = kind_for("shop").spec, kind_for("notes").spec
+    assert shop is not None and notes is not None
+
+    def plan(task: str, *steps: tuple[str, str | None]) -> planning.PlanAnswer:
+        return planning.PlanAnswer(task=task, steps=[planning.PlanStep(page=p, element=e) for p, e in steps])
+
+    opened = (("home", "Pad Thai"), ("dish", None))
+    ordered = (("home", "Search"), ("search", "Pad Thai"), ("dish", "Add to cart"), ("cart", None))
+    assert planning.choice_problem(plan("Order the Miso Ramen dish", *opened), shop) == \
+        "its task names dish 'Miso Ramen', where its walk picks 'Pad Thai'"
+    assert planning.choice_problem(plan("Order a large Pad Thai", *opened), shop) == \
+        "its task names size 'Large', which its walk does not choose"
+    for task in ("Order a large pad thai", "Put a Pad Thai in the cart", "Put it in the cart"):
+        assert planning.choice_problem(plan(task, *ordered), shop) is None, task
+    assert planning.choice_problem(plan("Open Birthday gift ideas", ("notes", "Birthday gift ideas"), ("note", None)),
+                                   notes) is None
+
+    root, _, _ = recorded
+    ws = workspace(root, model.url, manual_trials=0)
+    _, episodes = ws.catalog.resolve("episodes@latest")
+    units = planning.load_apps(ws, episodes).units
+    walk = [("notes", "Grocery list"), ("note", None)]
+    answer = plan("Open the note Birthday gift ideas", *walk)  # a page of its walk: no other problem
+    monkeypatch.setattr(planning._Planner, "ask", lambda self, template, *a, **k: (
+        answer if template == planning.PLAN else planning.ManualAnswer(manual=["Open it"]), "scripted", None))
+    out = planning.plan_app(units, ws, ws.ledger.open_run("test", "plan-choice").run_id, "")
+    assert out.rows["plans"] == []
+    assert out.dropped["plan: its task names a choice its walk does not make"] == 1
+    assert out.stats["plan dropped (notes): task 'Open the note Birthday gift ideas': its task names note "
+                     "'Birthday gift ideas', where its walk picks 'Grocery list'"] == 1
+
+
+def test_a_manuals_steps_say_what_was_typed_which_key_and_which_way():
+    """A manual's transitions keep what the action was done with: the text typed (a secret as its placeholder),
+    the key, a swipe's or scroll's direction, beside the element acted on."""
+    def step(i: int, kind: str, args: dict[str, Any], target: tuple[str, str] | None = None,
+             valid: bool = True) -> Step:
+        return Step(run_id="r", step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before="a",
+                    screenshot_after="b", width=390, height=844, url_before="u", url_after="u", title_before=f"p{i}",
+                    title_after=f"p{i + 1}", ax_tree_before="", action_type=kind, action_json=json.dumps(args),
+                    action_valid=valid, target_role=target[0] if target else None,
+                    target_name=target[1] if target else None, thought="", raw_output="", duration_ms=1)
+
+    steps = [step(0, "type", {"text": "Pad Thai"}, ("searchbox", "Search dishes")),
+             step(1, "type", {"text": "<secret>account_password</secret>"}, ("textbox", "Password")),
+             step(2, "key", {"key": "Enter"}), step(3, "press", {"key": "Backspace"}),
+             step(4, "key", {"keys": ["Control", "a"]}),
+             step(5, "swipe", {"x": 100, "y": 600, "x2": 110, "y2": 200}),
+             step(6, "scroll", {"x": 100, "y": 300, "dy": 400}, ("list", "Dishes")),
+             step(7, "click", {"x": 10, "y": 20}, ("link", "Cart")), step(8, "system_button", {"button": "Back"}),
+             step(9, "type", {"txt": "oops"}, valid=False), step(10, "terminate", {"status": "success"})]
+    query = Query(run_id="r", query_id="q", app="shop", source="page_graph", instruction="Order", path=["home"],
+                  slots_json="{}", checker="c", checker_params_json="{}", max_steps=10, generator="g",
+                  created_at=datetime.now(timezone.utc))
+    manual = planning.template_manual(planning.Trajectory("e", query, steps))
+    assert manual.manual == [
+        "On 'p0': type 'Pad Thai' into searchbox 'Search dishes' (then 'p1')",
+        "On 'p1': type '<secret>account_password</secret>' into textbox 'Password' (then 'p2')",
+        "On 'p2': press Enter (then 'p3')", "On 'p3': press Backspace (then 'p4')",
+        "On 'p4': press Control+a (then 'p5')", "On 'p5': swipe up (then 'p6')",
+        "On 'p6': scroll down on list 'Dishes' (then 'p7')", "On 'p7': click link 'Cart' (then 'p8')",
+        "On 'p8': press the Back button (then 'p9')", "On 'p9': type (then 'p10')"]
+
+
 def test_a_manual_the_model_cannot_write_keeps_the_template_and_says_so(recorded, model):
     root, run, _ = recorded
     ws = workspace(root, model.url, cache=False, manual_trials=0)
@@ -468,6 +641,38 @@ def test_a_manual_the_model_cannot_write_keeps_the_template_and_says_so(recorded
     assert all(m.text.startswith("1. On '") for m in manuals)  # the first trajectory's transitions
     assert out.stats["manual kept as the template: planning_manual: the model's answer did not parse"] == len(manuals)
     assert {r.source_id for r in out.rows["train_planning"]} >= {m.manual_id for m in manuals}
+
+
+def test_a_fallback_manual_is_asked_for_again_and_an_edited_prompt_is_new_work(recorded, model, tmp_path,
+                                                                               monkeypatch):
+    """A manual kept as the template because the model's answer was unusable is no manual up to date: the next run
+    asks the model again and writes its manual. One the model wrote is up to date, until the manual prompt's
+    version changes."""
+    root, _, _ = recorded
+    ws = workspace(root, model.url, cache=False, manual_trials=0, plans_per_app=0)
+    _, episodes = ws.catalog.resolve("episodes@latest")
+
+    model.broken = {"manual"}
+    try:
+        fallback = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manuals-broken").run_id, episodes)
+    finally:
+        model.broken = set()
+    written = ws.catalog.rows_added("manuals", fallback["manuals"])[0]
+    assert written.height and set(written["mode"]) == {"fallback"}
+    again = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manuals-again").run_id, episodes)
+    rewritten = ws.catalog.rows_added("manuals", again["manuals"])[0]
+    assert set(rewritten["mode"]) == {"model"} and set(rewritten["manual_id"]) == set(written["manual_id"])
+    up_to_date = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manuals-up-to-date").run_id, episodes)
+    assert ws.catalog.lineage("manuals", up_to_date["manuals"]).kept["manuals"] == 0
+
+    prompts = tmp_path / "prompts"
+    shutil.copytree(planning.PROMPTS, prompts)
+    edited = prompts / f"{planning.MANUAL}.yaml"
+    edited.write_text(re.sub(r'^version: "(\d+)"', lambda m: f'version: "{int(m[1]) + 1}"', edited.read_text(),
+                             flags=re.M))
+    monkeypatch.setattr(planning, "PROMPTS", prompts)
+    new_prompt = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manuals-new-prompt").run_id, episodes)
+    assert ws.catalog.lineage("manuals", new_prompt["manuals"]).kept["manuals"] == rewritten.height
 
 
 def _demonstrated(ws: Workspace, snapshot: int) -> dict[tuple[str, int, int], dict[str, Any]]:
@@ -588,3 +793,126 @@ def test_a_rejected_reasonings_count_says_why():
         "no reasoning: cut off at max_tokens before its first sentence ended")
     assert reasoning._rejection("no reasoning: no answer: ReadTimeout after 30 s") == "no reasoning: no answer"
     assert reasoning._rejection("prediction unusable: not one JSON object") == "prediction unusable"
+    # synth.match's reasons that start with no argument's name are named, not 'no differs' or 'the differs'
+    assert reasoning._rejection("no point") == "point missing"
+    assert reasoning._rejection("no drop point") == "drop point missing"
+    assert reasoning._rejection("the trusted action has no point") == "trusted action has no point"
+    assert reasoning._rejection("drop point 30 px from the trusted point") == "drop differs"
+
+
+class _Script:
+    """A shard's model calls answered from a script (prompt name -> answer), standing in for `reasoning._Reasoner`;
+    `asked` lists the prompts asked."""
+
+    def __init__(self, ws: Workspace, run_id: str, answers: dict[str, Any]) -> None:
+        self.run_id, self.cfg, self.answers, self.asked = run_id, ws.settings.synth, answers, []
+
+    def ask(self, name: str, **_: Any) -> Any:
+        self.asked.append(name)
+        return self.answers[name]
+
+    def version(self, name: str) -> str:
+        return f"{name}@1"
+
+
+def _cart_step(ws: Workspace, **more: Any) -> Step:
+    """A mobile step that taps the Cart link at (5, 9), on a real (white) screenshot."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
+    png = ws.blobs.put(buffer.getvalue()).sha256
+    return Step(run_id="r", step_id="e:0", episode_id="e", step_index=0, screenshot_before=png, screenshot_after=png,
+                width=390, height=844, url_before="u", url_after="u", title_before="t", title_after="t",
+                ax_tree_before="", action_type="click", action_json='{"x": 5, "y": 9}', action_valid=True,
+                target_role="link", target_name="Cart", target_box=[0, 0, 20, 20], thought="", raw_output="",
+                duration_ms=0, **more)
+
+
+def _said(name: str, text: str, parsed: Any = None, error: str | None = None) -> Any:
+    from trajforge.synth.ask import Answer
+
+    return Answer(text, parsed, error, "m", f"{name}@1")
+
+
+def test_a_reasoning_row_holds_the_trusted_action_as_the_prediction_and_an_unusable_one_is_not_compared(tmp_path):
+    """The trusted action is stored with its `type`, as the predicted one (and PAL-UI's and CES's rows) are; a
+    prediction that is no action was compared with nothing: `matched` None, as the schema says."""
+    from trajforge.rollout.gui_owl import ToolCall
+    from trajforge.synth.trusted import TrustedEpisode
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"},
+                                 synth={"writer": "model", "hint_styles": ["simple"], "reasoning_tries": 1}))
+    step = _cart_step(ws)
+    unit = TrustedEpisode("e", "q", "Open the cart", "mobile", "reference", [step])
+    reasoning_said = _said("reasoning_simple", "I open the Cart link.")
+    call = ToolCall.model_validate(to_call({"type": "click", "x": 5, "y": 9}, "mobile_use"))
+    script = _Script(ws, "r", {"reasoning_simple": reasoning_said, "reasoning_act": _said("reasoning_act", "", call)})
+    [matched] = reasoning._sample(script, unit, step, [])  # type: ignore[arg-type]
+    assert matched.kept and matched.matched is True
+    assert json.loads(matched.trusted_action_json) == json.loads(matched.predicted_action_json) == {
+        "type": "click", "x": 5, "y": 9}
+
+    script.answers |= {"reasoning_act": _said("reasoning_act", "not a call", error="not one JSON object"),
+                       "reasoning_hinted": _said("reasoning_hinted", "The Cart link is on the screen.")}
+    unusable, hinted = reasoning._sample(script, unit, step, [])  # type: ignore[arg-type]
+    assert unusable.match_reason == "prediction unusable: not one JSON object" and not unusable.kept
+    assert unusable.matched is None and unusable.predicted_action_json is None
+    assert json.loads(unusable.trusted_action_json) == json.loads(hinted.trusted_action_json) == {
+        "type": "click", "x": 5, "y": 9}
+
+
+def test_a_step_whose_roles_left_no_output_is_sampled_not_distilled_from_the_action_alone(tmp_path, monkeypatch):
+    """Roles recorded without an output give the distillation nothing but the action: such a reasoning would be
+    the answer's, unflagged. The step is sampled as any other, and kept when its prediction matches."""
+    from trajforge.rollout.gui_owl import ToolCall
+    from trajforge.synth.trusted import TrustedEpisode
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={
+        "writer": "model", "hint_styles": ["simple"], "reasoning_tries": 1, "reasoning_steps_per_shard": 1}))
+    step = _cart_step(ws, roles_json=json.dumps({"manager": {"output": None}, "worker": {"output": None}}))
+    unit = TrustedEpisode("e", "q", "Open the cart", "mobile", "reference", [step])
+    call = ToolCall.model_validate(to_call({"type": "click", "x": 5, "y": 9}, "mobile_use"))
+    script = _Script(ws, "r", {"reasoning_simple": _said("reasoning_simple", "I open the Cart link."),
+                               "reasoning_act": _said("reasoning_act", "", call),
+                               "reasoning_distill": _said("reasoning_distill", "I tap the Cart link.")})
+    monkeypatch.setattr(reasoning, "_Reasoner", lambda ws, out, run_id: script)
+    out = reasoning.reason([unit], ws, ws.ledger.open_run("test", "no roles").run_id, "")
+    [sample] = out.rows["reasoning_samples"]
+    assert sample.hint_style == "simple" and sample.kept and sample.matched and not sample.hinted_with_answer
+    assert "reasoning_distill" not in script.asked
+    [row] = out.rows["train_reasoning"]
+    assert row.hint_style == "simple" and not row.hinted_with_answer
+
+
+def test_reasoning_done_again_with_another_configuration_replaces_the_episodes_rows(recorded, model):
+    """Done again with another configuration (here `synth.reasoning_tries`), the stage takes each episode's
+    earlier rows out of both tables in the commit that adds its new ones: the latest versions hold the newest
+    run's rows only, each sample once (an episode the new budget no longer reaches loses its older rows)."""
+    root, _, snapshots = recorded
+    for tries in (3, 4):
+        ws = workspace(root, model.url, reasoning_steps_per_shard=2, reasoning_tries=tries)
+        model.truth = _demonstrated(ws, snapshots["steps"])
+        run = ws.ledger.open_run("test", f"tries {tries}").run_id
+        out = run_inline(reasoning.STAGE, ws, run, snapshots["steps"])
+    for table, key in (("reasoning_samples", "reasoning_id"), ("train_reasoning", "sample_id")):
+        rows = ws.catalog.load(table, out[table]).to_dicts()
+        assert rows and {r["run_id"] for r in rows} == {run}, table
+        assert len({r[key] for r in rows}) == len(rows), table
+    assert {r["episode_id"] for r in ws.catalog.load("train_reasoning", out["train_reasoning"]).to_dicts()} <= set(
+        ws.catalog.load("steps", snapshots["steps"])["episode_id"])
+
+def test_grounding_a_screen_again_with_another_configuration_replaces_its_rows(recorded, grounded, model):
+    """A new tau_g (or model, or prompt) grounds every screen again: its earlier rows leave both tables in the
+    commit that adds its new ones, so `grounding@latest` holds each annotation once and `train_grounding@latest`
+    each screen's questions once. Last in the file: the screens are no longer grounded as `grounded` left them."""
+    root, _, snapshots = recorded
+    ws, _ = grounded
+    before = ws.catalog.load("grounding")
+    again = workspace(root, model.url, iou_threshold=0.45)
+    out = run_inline(grounding.STAGE, again, again.ledger.open_run("test", "regrounded").run_id, snapshots["steps"])
+    assert again.catalog.lineage("grounding", out["grounding"]).kept["grounding"] > 0
+    for table, key in (("grounding", "sample_id"), ("train_grounding", "screenshot")):
+        latest = again.catalog.load(table, out[table])
+        assert latest.group_by(key).agg(pl.col("run_id").n_unique())["run_id"].max() == 1, table
+    latest = again.catalog.load("grounding", out["grounding"])
+    assert latest["sample_id"].n_unique() == latest.height
+    assert set(latest["screenshot"]) == set(before["screenshot"])
