@@ -356,21 +356,30 @@ def atomic_queries(spec: AppSpec, base_url: str, env: BrowserEnv, *, n: int, see
         if pool[op]:
             candidate = pool[op].pop(rng.randrange(len(pool[op])))
             qid = query_id(spec.app, candidate.route, candidate.operation)
-            if qid not in seen:
+            if qid in seen:
+                out.skipped[f"{spec.app}: {op}: the same operation on the same page found twice"] += 1
+            else:
                 seen.add(qid)
                 chosen.append(candidate)
+    if len(chosen) < n:
+        out.skipped[f"{spec.app}: fewer candidates on the pages opened than asked for (atomic_per_app)"] += (
+            n - len(chosen))
     out.queries = [_query(spec.app, c, run_id=run_id, now=now, margin=margin) for c in chosen]
     return out
 
 
 _OP_STEPS = {"type_at": 2, "scroll_to": 0}
-"""Actions an op takes once its element is in view (a click then typing; nothing more
-than the scrolling); every other op is one action."""
+
+
+def operation_steps(op: OpKind) -> int:
+    """Steps the reference replay takes for an op once its element is in view: a click then typing for type_at,
+    nothing more than the scrolling for scroll_to, one action for every other op."""
+    return _OP_STEPS.get(op, 1)
 
 
 def _query(app: str, candidate: _Candidate, *, run_id: str, now: datetime, margin: int) -> Query:
     route, op = candidate.route, candidate.operation
-    steps = len(route.links) + candidate.scrolls + _OP_STEPS.get(op.op, 1) + 1  # + terminate
+    steps = len(route.links) + candidate.scrolls + operation_steps(op.op) + 1  # + terminate
     params = op.model_dump(exclude_none=True) | {"page": candidate.page}
     return Query(
         run_id=run_id,

@@ -37,6 +37,7 @@ from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.envs.operations import Operation, dump_operations
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway, Prompt, Sampling, load_prompt
+from trajforge.query_gen.atomic import operation_steps
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Query
 
@@ -325,6 +326,9 @@ def pathway_queries(app: str, start_page: str, result: SearchResult, *, run_id: 
                     step_margin: int = 3) -> DeepSearchQueries:
     """One query per pathway whose endpoint the `surface_opened` checker can read.
 
+    `max_steps` is the replay's steps (each operation's actions, then the final terminate) plus `step_margin`,
+    the steps allowed beyond them (`query_gen.step_budget_margin`).
+
     A pathway the model says needs a selected object starts with `selection`, the
     hand-annotated operation that selects one on the start page (paper 6.2 annotates such
     objects by hand); without one it is dropped with the reason. Without a `commander`
@@ -362,7 +366,8 @@ def pathway_queries(app: str, start_page: str, result: SearchResult, *, run_id: 
         out.rows.append(Query(
             run_id=run_id, query_id=query_id_for(app, actions_json), app=app, source="deep_search",
             instruction=command.instruction, path=[start_page], slots_json="{}", checker=SURFACE_CHECKER,
-            checker_params_json=json.dumps({"surface": pathway.surface}), max_steps=len(operations) + step_margin,
+            checker_params_json=json.dumps({"surface": pathway.surface}),
+            max_steps=sum(operation_steps(op.op) for op in operations) + 1 + step_margin,  # + terminate
             generator=command.generator, created_at=now, actions_json=actions_json,
         ))
     return out
@@ -370,11 +375,12 @@ def pathway_queries(app: str, start_page: str, result: SearchResult, *, run_id: 
 
 def deep_search_queries(spec: AppSpec, base_url: str, env: BrowserEnv, *, run_id: str,
                         commander: Commander | None = None, selection: Operation | None = None, max_depth: int = 4,
-                        max_nodes: int = 200) -> DeepSearchQueries:
+                        max_nodes: int = 200, step_margin: int = 3) -> DeepSearchQueries:
     """Search the pathways of the app served at `base_url` from its start page through `env` (desktop viewport;
-    a kind's wrapped env, so a user's app resets as its directory says), and make its queries."""
+    a kind's wrapped env, so a user's app resets as its directory says), and make its queries (`step_margin`:
+    steps allowed beyond the replay's)."""
     start = base_url + spec.pages[spec.start].url
     result = DeepSearch(env, start, max_depth=max_depth, max_nodes=max_nodes,
                         session_prefix=f"deep-search-{spec.app}").run()
     return pathway_queries(spec.app, spec.start, result, run_id=run_id, app_title=spec.title,
-                           commander=commander, selection=selection)
+                           commander=commander, selection=selection, step_margin=step_margin)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from trajforge.envs.spec import AppSpec, placeholders
+from trajforge.envs.spec import AppSpec, UIAction, placeholders
 from trajforge.schemas.ids import digest
 
 TEMPLATE_GENERATOR = "template@1"
@@ -31,11 +31,18 @@ class SampledTask:
     checker: str
     checker_params: tuple[tuple[str, str], ...]
     reference_steps: int
+    """Steps the reference replay takes along the path (replay_steps), the final terminate included."""
 
     @property
     def query_id(self) -> str:
         payload = json.dumps([self.app, self.path, self.slots, self.instruction])
         return digest(payload)
+
+
+def replay_steps(action: UIAction) -> int:
+    """Steps the reference replay (rollout.replay) spends on one UI action: typing, and pressing a key in a named
+    element, first click the element to focus it; every other action is one step."""
+    return 2 if action.op == "type" or (action.op == "press" and action.role) else 1
 
 
 def _slots_used(spec: AppSpec, path: list[str]) -> set[str]:
@@ -97,7 +104,7 @@ def sample_tasks(spec: AppSpec, n: int, *, seed: int, max_len: int) -> list[Samp
         slots = {name: rng.choice(values[name]) for name in sorted(_slots_used(spec, path))}
         goal = spec.pages[path[-1]].goal
         assert goal is not None
-        steps = sum(len(g.edges[u, v]["transition"].actions) for u, v in zip(path, path[1:]))
+        steps = sum(replay_steps(a) for u, v in zip(path, path[1:]) for a in g.edges[u, v]["transition"].actions)
         task = SampledTask(
             app=spec.app,
             path=tuple(path),

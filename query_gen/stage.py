@@ -202,7 +202,7 @@ def _deep_search(spec: AppSpec, base_url: str, env: BrowserEnv, settings: QueryG
                  commander: Commander | None, out: StageOutput, *, run_id: str) -> list[Query]:
     """A seeded sample of `settings.deep_search_queries` of the queries deep search makes on the live app."""
     searched = deep_search_queries(spec, base_url, env, run_id=run_id, commander=commander,
-                                   max_depth=settings.deep_search_depth)
+                                   max_depth=settings.deep_search_depth, step_margin=settings.step_budget_margin)
     rng = random.Random(f"{settings.seed}:{spec.app}")
     chosen = sorted(rng.sample(searched.rows, min(settings.deep_search_queries, len(searched.rows))),
                     key=lambda q: q.query_id)

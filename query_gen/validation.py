@@ -4,7 +4,8 @@ A spec is written once; the app changes (a dish is taken off the menu, a page is
 renamed). Validation crawls the live app without an agent: for each page of a query's
 path it reaches the page, and looks for the elements that the outgoing transition's UI
 actions name (role, and name with slots filled). A query whose page does not load, or
-whose element is gone, is dropped with the reason.
+whose element is gone or shown more than once (the replay acts only on an element it finds
+exactly once), is dropped with the reason.
 
 A page is reached the cheapest way that shows what the path would show:
 - the start page, and a page entered by a link, by opening its `url` with the slot
@@ -110,10 +111,19 @@ class _Step:
 
 @dataclass
 class PageVisit:
-    """What one visit of a page found: why it did not load (None: it did), and which elements exist."""
+    """What one visit of a page found: why it did not load (None: it did), and how many visible elements each
+    target names (the replay acts only on a target found exactly once)."""
 
     load_error: str | None = None
-    found: dict[Target, bool] = field(default_factory=dict)
+    found: dict[Target, int] = field(default_factory=dict)
+
+
+def _times(role: str | None, name: str | None, count: int) -> str | None:
+    """Why `count` matches of an element would stop the replay ("cannot go on"), or None for the one match it
+    needs: it finds none, or several it cannot tell apart."""
+    if count == 1:
+        return None
+    return f"{role} {name!r} " + ("not found" if count == 0 else f"found {count} times")
 
 
 @dataclass
@@ -206,7 +216,7 @@ class InterfaceValidator:
                     return PageVisit(load_error=f"could not be reached from {url}: {problem}")
             # find_boxes, not env.find_element: an atomic query's element may be role "text"
             # (a passage to select), which no ARIA role lookup finds.
-            return PageVisit(found={(role, name): bool(find_boxes(env, role, name))
+            return PageVisit(found={(role, name): len(find_boxes(env, role, name))
                                     for role, name in sorted(targets)})
         except EnvFault as exc:
             return PageVisit(load_error=f"browser could not open it: {exc}")
@@ -222,8 +232,8 @@ class InterfaceValidator:
         page = env.page
         element = page.get_by_role(role, name=name, exact=True)
         try:
-            if element.count() != 1:
-                return f"{role} {name!r} not found"
+            if problem := _times(role, name, element.count()):
+                return problem
             timeout = self.timeout_s * 1000
             if op == "type":
                 if unset := secrets.unset(text or ""):
@@ -277,8 +287,8 @@ class InterfaceValidator:
             if visit.load_error is not None:
                 return f"page {step.page!r}: {visit.load_error}{step.url_note}"
             for role, name in step.targets:
-                if not visit.found[(role, name)]:
-                    return f"page {step.page!r} {step.route[0]}: {role} {name!r} not found{step.url_note}"
+                if problem := _times(role, name, visit.found[(role, name)]):
+                    return f"page {step.page!r} {step.route[0]}: {problem}{step.url_note}"
         return None
 
 

@@ -281,3 +281,16 @@ def test_a_pooled_env_that_ran_a_users_app_still_reports_to_a_bundled_apps_serve
         events = env.app_state().get(UI_EVENTS) or []
         assert [(e["op"], e["name"]) for e in events] == [("click", target.name)]
         assert env.take_reports() == []
+
+
+@pytest.mark.browser
+def test_fewer_queries_than_asked_for_are_counted_with_the_reason(chromium: Path,
+                                                                 servers: dict[str, AppServer]) -> None:
+    """One page and one op give at most PER_PAGE candidates: the queries asked for beyond them are counted under a
+    reason, as every other query not made is, so the lineage explains the shortfall."""
+    server = servers["notes"]
+    with BrowserEnv(viewport="desktop", chromium=chromium) as env:
+        result = atomic_queries(server.app.spec, server.base_url, env, n=5, seed=1, space="desktop", run_id="t",
+                                now=NOW, margin=3, ops=("click",), max_pages=1)
+    assert len(result.queries) == 3
+    assert result.skipped["notes: fewer candidates on the pages opened than asked for (atomic_per_app)"] == 2

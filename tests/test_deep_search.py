@@ -165,7 +165,7 @@ def test_replay_policy_completes_the_generated_queries(writer: BundledApp, serve
                                                                       "surface_opened")
         assert tuple(parse_operations(q.actions_json)) == clicks(label)
         assert q.generator == TEMPLATE_GENERATOR and name in q.instruction
-        assert q.max_steps == len(clicks(label)) + 3
+        assert q.max_steps == len(clicks(label)) + 1 + 3  # the clicks, the final terminate, the default margin
         assert not writer.check(q.checker, json.loads(q.checker_params_json), writer.initial_state())[0]
     assert len({q.query_id for q in rows}) == len(rows)
     again = pathway_queries("writer", "editor", found, run_id="other", app_title="Writer")  # another search's
@@ -235,7 +235,7 @@ def test_query_rows_follow_the_models_decision(gateway: Gateway) -> None:
         (row,) = out.rows
         operations = parse_operations(row.actions_json)
         assert operations == ([SELECT_TEXT] if needs else []) + list(PARAGRAPH.operations)
-        assert row.max_steps == len(operations) + 3 and row.generator in (MODEL_GENERATOR, TEMPLATE_GENERATOR)
+        assert row.max_steps == len(operations) + 1 + 3 and row.generator in (MODEL_GENERATOR, TEMPLATE_GENERATOR)
 
 
 def test_a_malformed_model_answer_is_recorded_not_guessed(gateway: Gateway) -> None:
@@ -247,3 +247,12 @@ def test_a_malformed_model_answer_is_recorded_not_guessed(gateway: Gateway) -> N
     assert command.failures[0].startswith("selection decision did not parse: ")
     assert "max_tokens=2" in command.failures[0] and command.raw == (command.raw[0],)
     assert (command.instruction, command.generator) == ('Open the "Paragraph" dialog', TEMPLATE_GENERATOR)
+
+
+def test_the_step_margin_is_beyond_the_replays_clicks_and_its_terminate() -> None:
+    """`query_gen.step_budget_margin` is what a deep-search query allows beyond its replay: one step per click and
+    the final terminate. At 0 the replay ends on its last step; without the terminate counted it could not end."""
+    result = SearchResult(START, [PARAGRAPH, PAGE_SETUP])
+    for margin in (0, 2):
+        out = pathway_queries("writer", "editor", result, run_id="r", app_title="Writer", step_margin=margin)
+        assert [q.max_steps for q in out.rows] == [2 + 1 + margin] * 2

@@ -272,3 +272,76 @@ def test_the_crawl_viewport_is_part_of_query_generations_config_hash(tmp_path):
         return config_hash(ws.settings, STAGE.sections, STAGE.load(ws, None).fingerprint)
 
     assert hashed("mobile") != hashed("desktop")
+
+
+# --------------------------------------------------------------------------- step budgets and one match
+
+
+def test_a_reference_path_counts_the_replays_click_before_typing() -> None:
+    """The replay clicks a field before typing into it: Compose, then To, Subject and Message each a click and the
+    text, then Send and the final terminate, 10 steps, so `max_steps` leaves the whole margin beyond them."""
+    mail = load_app("mail")
+    tasks = sample_tasks(mail.spec, 30, seed=0, max_len=8)
+    compose = next(t for t in tasks if t.path == ("inbox", "compose", "sent"))
+    assert compose.reference_steps == 1 + 3 * 2 + 1 + 1
+    starred = next(t for t in tasks if t.path == ("inbox", "search", "message", "message_starred"))
+    assert starred.reference_steps == 2 + 1 + 1 + 1 + 1  # the search box: a click and the text; then Enter
+
+
+@pytest.mark.browser
+def test_with_no_step_margin_each_reference_replay_uses_its_whole_budget(chromium: Path, tmp_path: Path) -> None:
+    """`query_gen.step_budget_margin` is the steps allowed beyond the reference replay's own: at 0 the replay of a
+    page-graph query (typing too) and of a deep-search query must end by itself on its last step."""
+    from trajforge.data.blobs import BlobStore
+    from trajforge.envs.kinds import check_episode
+    from trajforge.rollout.stage import rollout
+    from trajforge.schemas.config import RolloutSettings
+
+    mail, writer = load_app("mail"), load_app("writer")
+    settings = QueryGenSettings(apps=["mail", "writer"], num_queries=30, step_budget_margin=0, atomic_per_app=0,
+                                validate_interface=False, deep_search_apps=["writer"], deep_search_queries=2)
+    rows = generate_queries([BundledWebKind(mail), BundledWebKind(writer)], run_id="r", settings=settings,
+                            chromium=chromium, viewport="desktop").rows["queries"]
+    chosen = [next(q for q in rows if q.path == ["inbox", "compose", "sent"]),
+              next(q for q in rows if q.app == "mail" and q.path[1] == "search"),
+              *(q for q in rows if q.source == "deep_search")]
+    assert len(chosen) == 4
+    episodes = rollout([q.model_dump() for q in chosen], run_id="r",
+                       settings=RolloutSettings(policy="replay", viewport="desktop", contexts=1),
+                       blobs=BlobStore(tmp_path / "blobs")).rows["episodes"]
+    for q, episode in zip(chosen, episodes, strict=True):
+        assert (episode.status, episode.num_steps) == ("terminated", q.max_steps), (q.instruction, episode.fault)
+        assert check_episode(q, episode)[0], q.instruction
+
+
+@pytest.mark.browser
+def test_an_element_shown_twice_drops_its_queries(envs: list[BrowserEnv], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay acts only on an element it finds once ("found 2; cannot go on"): a calendar with two events
+    named "Piano lesson" shows two such links on the week and two search results, and its queries are dropped,
+    on the page that shows them and on the one the crawl drives to through them."""
+    import trajforge.envs.apps.calendar.app as calendar_app
+
+    calendar = load_app("calendar")
+    out = generate_queries([BundledWebKind(calendar)], run_id="r",
+                           settings=QueryGenSettings(num_queries=30, validate_interface=False, atomic_per_app=0))
+    by_week = next(q for q in out.rows["queries"] if q.path[:2] == ["week", "event"])
+    by_search = next(q for q in out.rows["queries"] if q.path[:3] == ["week", "search", "event"])
+    twice = [with_slot(by_week, event="Piano lesson"), with_slot(by_search, event="Piano lesson")]
+    events = [*calendar_app.SEED_EVENTS, {**calendar_app.SEED_EVENTS[2], "id": 7, "day": "Saturday"}]
+    monkeypatch.setattr(calendar_app, "INITIAL_STATE", {"events": events, "next_id": 8})
+    with AppServer(calendar) as srv:
+        result = InterfaceValidator(calendar.spec, srv.base_url, envs).validate(twice)
+    assert result.kept == []
+    assert result.reasons[twice[0].query_id] == "page 'week' /: link 'Piano lesson' found 2 times"
+    assert "could not be reached from /search: link 'Piano lesson' found 2 times" in result.reasons[twice[1].query_id]
+    # An operation's element is looked up on the query's last page alike: the notes list tags three notes
+    # "Personal", so clicking the text "Personal" is no task the replay can do.
+    from trajforge.envs.operations import Operation, dump_operations
+
+    notes = load_app("notes")
+    tag = query("Click the text 'Personal'", ["notes"], {}, "tag").model_copy(update={
+        "app": "notes", "source": "atomic",
+        "actions_json": dump_operations([Operation(op="click", role="text", name="Personal")])})
+    with AppServer(notes) as srv:
+        result = InterfaceValidator(notes.spec, srv.base_url, envs).validate([tag])
+    assert result.reasons == {"tag": "page 'notes' /: text 'Personal' found 3 times"}
