@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ PROMPTS = Path(__file__).parent / "prompts"
 OUTCOME_PROMPT = "guidance_outcome"
 SUMMARY_PROMPT = "guidance_summary"
 POINTER_ACTIONS = {"click", "long_press", "double_click", "right_click", "middle_click", "swipe", "drag", "scroll"}
+MOVES = {"swipe", "scroll"}
+"""Pointer actions that move the screen rather than act on an element: the recorded target is whatever lies under
+the finger or wheel, while the thought names the element to bring into view."""
 _QUOTED = re.compile(r"'([^']+)'|\"([^\"]+)\"")
 
 
@@ -105,7 +109,8 @@ def rule_check(step: dict[str, Any]) -> str | None:
         return "no visible change: the action did not do what the thought intended"
     named = [a or b for a, b in _QUOTED.findall(step.get("thought") or "")]
     acted_on = step.get("target_name") or ""
-    if kind in POINTER_ACTIONS and named and acted_on and not any(n in acted_on or acted_on in n for n in named):
+    if (kind in POINTER_ACTIONS - MOVES and named and acted_on
+            and not any(n in acted_on or acted_on in n for n in named)):
         return f"the thought aimed at {', '.join(repr(n) for n in named)} but the action hit {acted_on!r}"
     return None
 
@@ -195,7 +200,13 @@ def guidance_row(query: dict[str, Any], references: list[tuple[str, list[dict[st
             kept_by_entry.setdefault(o["entry_id"], []).append(f"{o['action']}: {o['outcome']}")
     if not kept_by_entry:
         return None, distilled
-    essential = min(kept_by_entry.values(), key=len)  # the shortest successful route is the most essential
+    # The shortest successful route is the most essential: shortest by its own valid steps, before quality control
+    # (ranked by the steps kept, the reference the describer rejected most would win, its guidance lacking steps
+    # the route needs); of two as short, the one quality control dropped fewer steps of.
+    own = {entry_id: sum(s.get("action_valid", True) and s["action_type"] != "terminate" for s in steps)
+           for entry_id, steps in references}
+    drops = Counter(d["entry_id"] for d in distilled.dropped)
+    essential = kept_by_entry[min(kept_by_entry, key=lambda entry_id: (own[entry_id], drops[entry_id]))]
     summary = describer.summarise(query["instruction"], essential, distilled)
     numbered = "\n".join(f"{i}. {s}" for i, s in enumerate(essential, 1))
     row = Guidance(

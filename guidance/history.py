@@ -37,22 +37,30 @@ class Hardness:
 
 
 def hardness(attempts: list[tuple[datetime, bool]], *, window: int, below: float) -> Hardness:
-    """Judge one query from its (judged_at, success) attempts, in the order they were recorded.
+    """Judge one query from its (judged_at, success) attempts, in any order.
 
-    Ordered by time alone: a night's attempts share one judged_at (the history stage's), and a sort that broke
-    those ties on success put a night's successes last, in the recent window."""
-    ordered = [ok for _, ok in sorted(attempts, key=lambda attempt: attempt[0])]
-    successes = sum(ordered)
-    if not ordered:
+    The recent rate is over the last `window` attempts taken in whole nights: a night's attempts share one
+    judged_at (the history stage's) and have no order among them, so the newest nights are taken whole until
+    they hold `window` attempts. A night of 8 samples with a window of 3 gives that night's rate over all 8, not
+    over whichever 3 of its samples were recorded last."""
+    if not attempts:
         return Hardness(0, 0, None, False, "never attempted")
-    recent = ordered[-window:]
+    nights: dict[datetime, list[bool]] = {}
+    for judged_at, ok in attempts:
+        nights.setdefault(judged_at, []).append(ok)
+    recent: list[bool] = []
+    for judged_at in sorted(nights, reverse=True):
+        if len(recent) >= window:
+            break
+        recent += nights[judged_at]
+    tried, successes = len(attempts), sum(ok for _, ok in attempts)
     rate = sum(recent) / len(recent)
     if successes == 0:
-        return Hardness(len(ordered), 0, rate, True, f"never succeeded in {len(ordered)} attempt(s)")
+        return Hardness(tried, 0, rate, True, f"never succeeded in {tried} attempt(s)")
     if rate < below:
-        return Hardness(len(ordered), successes, rate, True,
+        return Hardness(tried, successes, rate, True,
                         f"success rate {rate:.2f} over the last {len(recent)} attempt(s) is below {below}")
-    return Hardness(len(ordered), successes, rate, False, f"success rate {rate:.2f} over the last {len(recent)}")
+    return Hardness(tried, successes, rate, False, f"success rate {rate:.2f} over the last {len(recent)}")
 
 
 def attempt_row(episode: Episode, query: Query, success: bool, *, run_id: str, iteration: int,
@@ -71,7 +79,8 @@ def buffer_entry(episode: Episode, steps: list[Step], *, run_id: str, origin: st
         run_id=run_id, entry_id=f"{origin}:{episode.episode_id}", query_id=episode.query_id, origin=origin,
         episode_id=episode.episode_id, instruction=episode.instruction,
         steps_json=json.dumps([{f: d[f] for f in STEP_FIELDS}  # in STEP_FIELDS' order: the text is compared
-                               for d in (s.model_dump(mode="json") for s in sorted(steps, key=lambda s: s.step_index))]),
+                               for d in (s.model_dump(mode="json")
+                                         for s in sorted(steps, key=lambda s: s.step_index))]),
     )
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from trajforge.critics.stage import checker_for
+from trajforge.envs.axtree import parse
 from trajforge.guidance.distill import Describer, guidance_row
 from trajforge.guidance.history import STEP_FIELDS, buffer_entry, hardness
 from trajforge.llm.workspace import Workspace
@@ -59,6 +60,14 @@ class DemoStep(BaseModel):
     ax_tree_after: str = ""
     target_role: str | None = None
     target_name: str | None = None
+
+    @field_validator("ax_tree_before", "ax_tree_after")
+    @classmethod
+    def _a_rendered_tree(cls, tree: str) -> str:
+        """Quality control parses both trees (guidance.distill.changes), possibly nights after the file was read:
+        a tree it cannot parse stops the run when the file is loaded, naming its line and field."""
+        parse(tree)  # its ValueError says which line of the tree is not one
+        return tree
 
 
 class Demonstration(BaseModel):
@@ -106,17 +115,20 @@ def guide(units: list[HardQuery], *, run_id: str, describer: Describer, replay: 
             if ref.pop("new", False):
                 out.rows["replay_buffer"].append(ReplayEntry(**ref | {"run_id": run_id}))
     missing = [u for u in todo if not u.references]
+    failed: set[str] = set()  # queries whose replay failed: counted under that reason, once
     if missing and replay is not None:
         for episode, steps, success in replay([u.query for u in missing]):
             if not success:
                 out.dropped["reference path replayed but the checker says it failed"] += 1
+                failed.add(episode.query_id)
                 continue
             entry = buffer_entry(episode, steps, run_id=run_id, origin="replay")
             out.rows["replay_buffer"].append(entry)
             next(u for u in missing if u.query.query_id == episode.query_id).references.append(entry.model_dump())
     for unit in todo:
         if not unit.references:
-            out.dropped["no reference trajectory (none in the replay buffer, none replayed or demonstrated)"] += 1
+            if unit.query.query_id not in failed:
+                out.dropped["no reference trajectory (none in the replay buffer, none replayed or demonstrated)"] += 1
             continue
         refs = [(r["entry_id"], json.loads(r["steps_json"])) for r in unit.references]
         row, distilled = guidance_row(unit.query.model_dump(), refs, unit.hard_reason, describer, run_id=run_id,
@@ -146,6 +158,14 @@ def load_hard_queries(ws: Workspace, snapshot: int | None) -> Inputs[HardQuery]:
     history, history_snapshot = ws.catalog.latest("query_history")
     buffer, buffer_snapshot = ws.catalog.latest("replay_buffer")
     loop, cfg = ws.settings.loop, ws.settings.guidance
+    # The reference stage replays each query in every reference viewport, all under one query id: a route recorded
+    # on another screen than the rollout's (a desktop route has none of the swipes a phone needs) guides a query only
+    # while it has none recorded in the rollout's viewport. An entry whose episode is not in `episodes` (a
+    # demonstration, a replay of this stage) counts as the rollout's.
+    _, episodes_snapshot = ws.catalog.resolve("episodes@latest")
+    viewports = ws.catalog.load("episodes", episodes_snapshot, columns=["episode_id", "viewport"])
+    buffer = buffer.join(viewports.unique("episode_id"), on="episode_id", how="left").with_columns(
+        elsewhere=pl.col("viewport").is_not_null() & (pl.col("viewport") != ws.settings.rollout.viewport))
     demos = load_demonstrations(cfg.demonstrations) if cfg.demonstrations else []
     known = set(buffer["entry_id"])
     attempts: dict[str, list[tuple[Any, bool]]] = {}
@@ -162,15 +182,22 @@ def load_hard_queries(ws: Workspace, snapshot: int | None) -> Inputs[HardQuery]:
             # The newest two, by when their run started (a run id is FLOW-YYYYmmddTHHMMSS-hex: sorted whole, every
             # `reference-...` run came before any `nightly-...` one whatever its date), ties by entry.
             started = pl.col("run_id").str.split("-").list.get(-2, null_on_oob=True)
-            refs = (buffer.filter(pl.col("query_id") == q["query_id"])
-                    .sort(started, "entry_id", descending=True).head(2).to_dicts())
-            refs += [d | {"new": d["entry_id"] not in known} for d in demos if d["query_id"] == q["query_id"]]
+            mine = buffer.filter(pl.col("query_id") == q["query_id"])
+            here = mine.filter(~pl.col("elsewhere"))
+            refs = ((here if here.height else mine).sort(started, "entry_id", descending=True).head(2)
+                    .drop("viewport", "elsewhere").to_dicts())
+            # A demonstration joins the buffer the first night it is used: from then on it may be among the newest
+            # entries already, and is used once, not again from the file.
+            listed = {r["entry_id"] for r in refs}
+            refs += [d | {"new": d["entry_id"] not in known} for d in demos
+                     if d["query_id"] == q["query_id"] and d["entry_id"] not in listed]
             hard.append((h.recent_rate, -h.attempts, q["query_id"], Query.model_validate(q), h.reason, refs))
     hard.sort(key=lambda t: t[:3])
     units = [HardQuery(query, reason, i < loop.max_guided, refs)
              for i, (_, _, _, query, reason, refs) in enumerate(hard)]
     snapshots = {"queries": snapshot} | {
-        t: s for t, s in (("query_history", history_snapshot), ("replay_buffer", buffer_snapshot)) if s is not None}
+        t: s for t, s in (("query_history", history_snapshot), ("replay_buffer", buffer_snapshot),
+                          ("episodes", episodes_snapshot)) if s is not None}
     demo_hash = digest(cfg.demonstrations.read_bytes()) if cfg.demonstrations else ""
     return Inputs(units=units, snapshots=snapshots, fingerprint=demo_hash, stats=stats)
 

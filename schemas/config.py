@@ -396,7 +396,8 @@ class LoopSettings(_Section):
         description="iteration -> the llm model ('local' or an endpoint name) serving that iteration's policy; "
         "empty: rollout.model serves every iteration.",
     )
-    window: int = Field(default=3, gt=0, description="Hard queries: the last k attempts looked at.")
+    window: int = Field(default=3, gt=0, description="Hard queries: the last k attempts looked at, in whole "
+                        "nights (a night's samples have no order: the newest nights until they hold k).")
     hard_below: float = Field(
         default=0.5, ge=0, le=1, description="Hard: success rate over the last `window` attempts below this."
     )

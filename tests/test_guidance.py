@@ -58,10 +58,10 @@ def test_a_query_is_hard_when_it_never_succeeded_or_its_recent_rate_is_low():
     assert not hardness([], window=3, below=0.5).hard  # never tried: nothing says it is hard yet
     # Order of the rows does not matter; time does.
     assert hardness(list(reversed(at(True, False, False, False))), window=3, below=0.5).hard
-    # A night's attempts share one judged_at: they count in the order recorded, not successes last.
+    # A night's attempts share one judged_at: they count as a whole night, in no order, not successes last.
     night = datetime(2026, 1, 5, tzinfo=UTC)
     same = hardness([(night, ok) for ok in (True, True, False, False, False)], window=3, below=0.5)
-    assert same.hard and same.recent_rate == 0
+    assert same.hard and same.recent_rate == 0.4
 
 
 def test_quality_control_drops_steps_that_did_not_do_what_the_thought_said():
@@ -248,3 +248,154 @@ def test_an_unparsed_describer_answer_is_kept_beside_the_rules_judgement(tmp_pat
     assert outcome["kept"] and outcome["describer_raw"] == "It worked, I think."
     assert outcome["describer_error"].startswith("not one JSON object")
     assert distilled.stats == {"outcome answers that did not parse: recorded changes used, rules decided": 1}
+
+
+def test_a_swipe_or_scroll_is_not_held_to_the_element_under_the_finger():
+    """The replay swipes or scrolls to bring an element into view and names that element; what the recorded target
+    holds is whatever was under the finger's start point. Quality control keeps such steps, or the guidance would
+    send the policy to click an element still off screen."""
+    scrolled = TREE_HOME.replace("(100,10,60,30)", "(100,-300,60,30)")
+    thought = "transition 1/1 (home -> cart), action 1/1: the link 'Cart' is off screen; swipe to bring it into view."
+    for kind in ("swipe", "scroll"):
+        assert rule_check(step(0, kind, thought=thought, target="Settings", after=scrolled, title_after="Home")) is None
+    # A click still answers for what it hit.
+    assert "aimed at 'Cart'" in rule_check(step(0, thought="click the link 'Cart'", target="Settings"))
+
+
+def test_guidance_follows_the_shortest_reference_not_the_one_quality_control_cut_most(tmp_path):
+    """The essential steps come from the reference with the fewest steps of its own (valid ones, terminate aside),
+    ties to the one with fewer steps dropped: not from the one with the fewest steps left after quality control."""
+    describer = Describer(None, BlobStore(tmp_path))
+    tree_saved = TREE_SETTINGS.replace('button "Save" (10,90,80,40)', 'text "Saved" (10,90,80,40)')
+    save = step(1, thought="click 'Save'", target="Save", after=tree_saved, title_after="Saved")
+    short = [step(0, thought="click 'Settings'"), save, step(2, "terminate", target=None)]
+    # Four steps of its own, three of which did nothing visible: one step kept, the route's Save lost.
+    long = [step(0, thought="click 'Settings'"),
+            *(step(i, thought="click 'Settings'", after=TREE_HOME, title_after="Home") for i in (1, 2, 3)),
+            step(4, "terminate", target=None)]
+    query = {"query_id": "q1", "instruction": "Save the settings"}
+    row, _ = guidance_row(query, [("rollout:long", long), ("replay:short", short)], "never", describer, run_id="r",
+                          max_steps=8)
+    assert row is not None and len(row.essential_steps) == 2
+    assert row.essential_steps[1].startswith("click on link 'Save'")
+    # As short as the other, but quality control dropped a step of it (it hit the wrong element).
+    wrong = [step(0, thought="click 'Settings'"), step(1, thought="click 'Save'", target="Cart", after=tree_saved,
+                                                       title_after="Saved"), step(2, "terminate", target=None)]
+    row, _ = guidance_row(query, [("rollout:wrong", wrong), ("replay:short", short)], "never", describer,
+                          run_id="r", max_steps=8)
+    assert row is not None and len(row.essential_steps) == 2
+
+
+def test_a_nights_samples_count_whole_whatever_their_order():
+    """One night's samples share one judged_at: the recent window takes that night whole, so which sample indices
+    failed does not decide whether the query is hard."""
+    night = datetime(2026, 1, 5, tzinfo=UTC)
+    results = [True] * 5 + [False] * 3  # 5 of 8 samples succeeded
+    for order in (results, list(reversed(results))):
+        h = hardness([(night, ok) for ok in order], window=3, below=0.5)
+        assert not h.hard and h.recent_rate == 5 / 8, h
+        assert h.reason == "success rate 0.62 over the last 8"
+    # An older night counts only while the newer ones hold fewer attempts than the window.
+    older = [(night - timedelta(days=1), False)] * 4
+    assert hardness(older + [(night, ok) for ok in results], window=8, below=0.5).recent_rate == 5 / 8
+    assert hardness(older + [(night, ok) for ok in results], window=9, below=0.5).recent_rate == 5 / 12
+
+
+def test_a_demonstration_tree_that_does_not_parse_stops_the_load_naming_line_and_field(tmp_path):
+    """Quality control parses a step's trees, perhaps nights after the file was read: a tree it cannot read is
+    refused when the file is loaded (the preflight), with the file, line and field."""
+    path = tmp_path / "demos.jsonl"
+    good = {"query_id": "q", "instruction": "Open the settings",
+            "steps": [{"action_type": "click", "thought": "open 'Settings'", "ax_tree_before": TREE_HOME,
+                       "ax_tree_after": TREE_SETTINGS}]}
+    bad = {**good, "steps": [{**good["steps"][0], "ax_tree_after": "the settings page"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=r"demos.jsonl:2: field 'steps.0.ax_tree_after': .*not a line of a rendered"):
+        load_demonstrations(path)
+
+
+def _unit(query_id: str = "q") -> Query:
+    return Query(run_id="r0", query_id=query_id, app="shop", source="page_graph", instruction="Open the settings",
+                 path=["home"], slots_json="{}", checker="on_page", checker_params_json="{}", max_steps=5,
+                 generator="t", created_at=T0)
+
+
+def test_a_failed_replay_is_counted_once(tmp_path):
+    """A query whose reference replay the checker rejects is counted under that reason, not also as having no
+    reference: the lineage's drops add up to the queries dropped."""
+    from trajforge.schemas.records import Episode
+
+    def replay(queries: list[Query]) -> list:
+        return [(Episode(run_id="r", episode_id="e", query_id=q.query_id, app=q.app, instruction=q.instruction,
+                         policy="replay", model_id="replay", prompt_version="none", viewport="mobile",
+                         status="terminated", num_steps=1, final_url="", final_state_json="{}", started_at=T0,
+                         finished_at=T0), [], False)
+                for q in queries]
+
+    out = guide([HardQuery(_unit(), "never", True, [])], run_id="r", describer=Describer(None, BlobStore(tmp_path)),
+                replay=replay, max_steps=8)
+    assert out.dropped == {"reference path replayed but the checker says it failed": 1}
+
+
+def _warehouse(tmp_path, **settings):
+    from trajforge.data.catalog import Lineage
+    from trajforge.llm.workspace import Workspace
+    from trajforge.schemas.records import QueryAttempt
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, **settings))
+
+    def commit(table: str, rows: list, run: str) -> int:
+        return ws.catalog.commit_rows(table, rows, Lineage(stage="test", run_id=run, commit_key=f"{run}:{table}",
+                                                           inputs={}, config_hash="x", code_version="x"))
+
+    commit("query_history", [QueryAttempt(run_id="h", episode_id="e0", query_id="q", app="shop", source="page_graph",
+                                          iteration=0, policy="random", model_id="m", success=False, judged_at=T0)],
+           "h")
+    return ws, commit, commit("queries", [_unit().model_copy(update={"run_id": "q-run"})], "q-run")
+
+
+def test_a_demonstration_already_in_the_buffer_is_used_once(tmp_path):
+    """The first guided night puts a demonstration into the replay buffer; from the second it is among the newest
+    buffer entries, and must not come again from the file."""
+    from trajforge.guidance.stage import load_hard_queries
+    from trajforge.schemas.records import ReplayEntry
+
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text(json.dumps({"query_id": "q", "instruction": "Open the settings",
+                                 "steps": [{"action_type": "click", "thought": "open 'Settings'"}]}) + "\n")
+    ws, commit, queries = _warehouse(tmp_path, guidance={"demonstrations": demos})
+    [demo] = load_demonstrations(demos)
+    [unit] = load_hard_queries(ws, queries).units
+    assert [(r["entry_id"], r["new"]) for r in unit.references] == [(demo["entry_id"], True)]  # the first night
+    run = "nightly-20261103T020000-aaaaaa"
+    commit("replay_buffer", [ReplayEntry(**demo | {"run_id": run})], run)
+    [unit] = load_hard_queries(ws, queries).units
+    assert [r["entry_id"] for r in unit.references] == [demo["entry_id"]]
+
+
+def test_references_come_from_the_rollouts_viewport_while_there_are_any(tmp_path):
+    """The reference stage records each query on a phone and on a desktop, under one query id: a mobile rollout is
+    guided by the phone's route (its swipes) while one exists, by the desktop's only without one."""
+    from trajforge.guidance.stage import load_hard_queries
+    from trajforge.schemas.records import Episode, ReplayEntry
+
+    ws, commit, queries = _warehouse(tmp_path, rollout={"viewport": "mobile"})
+    run = "reference-20261101T020000-bbbbbb"
+
+    def recorded(viewport: str, episode_id: str) -> None:
+        commit("episodes", [Episode(run_id=run, episode_id=episode_id, query_id="q", app="shop",
+                                    instruction="Open the settings", policy="replay", model_id="replay",
+                                    prompt_version="none", viewport=viewport, status="terminated", num_steps=1,
+                                    final_url="", final_state_json="{}", started_at=T0, finished_at=T0,
+                                    source="reference")], f"{run}-{episode_id}")
+        commit("replay_buffer", [ReplayEntry(run_id=run, entry_id=f"replay:{episode_id}", query_id="q",
+                                             origin="replay", episode_id=episode_id, instruction="Open the settings",
+                                             steps_json="[]")], f"{run}-{episode_id}")
+
+    recorded("desktop", "z-desktop")  # sorts first by entry id
+    [unit] = load_hard_queries(ws, queries).units
+    assert [r["entry_id"] for r in unit.references] == ["replay:z-desktop"]  # none on a phone: the desktop's
+    recorded("mobile", "a-mobile")
+    inputs = load_hard_queries(ws, queries)
+    assert [r["entry_id"] for r in inputs.units[0].references] == ["replay:a-mobile"]
+    assert "episodes" in inputs.snapshots
