@@ -116,15 +116,17 @@ def prediction_schema(space: actions.Space, step: Step, points: str) -> dict[str
 
 def _choices(step: Step, targets: list[Target]) -> list[Target]:
     """The named targets a prediction of `step` chooses among: `call_schema` offers the first MAX_TARGETS, so on a
-    longer screen a step whose own target comes later could never be matched. Its target then takes the last
-    place, after the first MAX_TARGETS - 1: in document order, as every choice list is, so where it stands does
-    not give it away."""
+    longer screen a step whose own target comes later could never be matched. Its choices are then MAX_TARGETS
+    consecutive targets around it, in document order as every choice list is, starting at a place drawn from the
+    step's id: neither first nor last, so where it stands does not give it away."""
     if len(targets) <= MAX_TARGETS:
         return targets
     own = next((i for i, t in enumerate(targets) if _is_target(step, t)), None)
     if own is None or own < MAX_TARGETS:
         return targets[:MAX_TARGETS]
-    return [*targets[:MAX_TARGETS - 1], targets[own]]
+    start = own - int(digest(step.step_id), 16) % MAX_TARGETS
+    start = min(max(start, 0), len(targets) - MAX_TARGETS)
+    return targets[start:start + MAX_TARGETS]
 
 
 def _is_target(step: Step, target: Target) -> bool:

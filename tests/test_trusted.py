@@ -34,10 +34,11 @@ def _clicks(schema: dict) -> list[dict]:
 
 def test_a_named_prediction_can_choose_the_steps_target_after_the_first_max_targets():
     """The call schema names the first MAX_TARGETS elements; a trusted click on a later one (here the second
-    "Edit", the 45th element) is still among the choices, in the last place, so a prediction can match it."""
-    names = [f"Item {i}" for i in range(MAX_TARGETS + 5)]
-    names[5] = names[-1] = "Edit"
-    boxes = [[10.0, 10.0 + 15 * i, 60.0, 12.0] for i in range(len(names))]
+    "Edit", the 61st element) is still among the choices, MAX_TARGETS consecutive ones around it at a place drawn
+    from the step's id, so a prediction can match it and no place (the last) gives it away."""
+    names = [f"Item {i}" for i in range(MAX_TARGETS + 40)]
+    names[30] = names[60] = "Edit"
+    boxes = [[10.0 + 120 * (i % 3), 10.0 + 30 * (i // 3), 60.0, 20.0] for i in range(len(names))]  # on a 390x844 screen
     tree = "main\n" + "\n".join(f'  button "{n}" ({x:.0f},{y:.0f},{w:.0f},{h:.0f})'
                                 for n, (x, y, w, h) in zip(names, boxes, strict=True))
 
@@ -46,8 +47,12 @@ def test_a_named_prediction_can_choose_the_steps_target_after_the_first_max_targ
         step = _step(0, "click", {"x": x + w / 2, "y": y + h / 2}, name=names[index], box=boxes[index], tree=tree)
         return step, _clicks(prediction_schema("mobile", step, "names"))
 
-    late, clicks = choices(len(names) - 1)
-    assert [c["target"]["const"] for c in clicks] == [*names[:MAX_TARGETS - 1], "Edit (2)"]
+    late, clicks = choices(60)
+    offered = [c["target"]["const"] for c in clicks]
+    start = int(offered[0].removeprefix("Item "))
+    assert 20 < start <= 60 and len(offered) == MAX_TARGETS and offered[-1] != "Edit (2)"
+    assert offered == [n if n != "Edit" else "Edit (2)" if i == 60 else "Edit" for i, n in enumerate(names)][
+        start:start + MAX_TARGETS]  # consecutive, in document order; the first "Edit" too where the window holds it
     hits = [c["target"]["const"] for c in clicks if match(
         {"type": "click", "x": c["coordinate"]["const"][0], "y": c["coordinate"]["const"][1]},
         trusted_action(late), target_box=late.target_box).ok]
