@@ -57,10 +57,17 @@ def canonical(action: dict[str, Any], space: actions.Space) -> dict[str, Any]:
     pyautogui's names; rows recorded before the recorder stored this form are read through it too (`to_call`)."""
     action = actions.normalize(action, space)
     if isinstance(action.get("key"), str):
-        action = {**action, "key": actions.key_name(action["key"])}
+        action = {**action, "key": _key(action["key"])}
     if isinstance(action.get("keys"), list):
-        action = {**action, "keys": [actions.key_name(k) if isinstance(k, str) else k for k in action["keys"]]}
+        action = {**action, "keys": [_key(k) if isinstance(k, str) else k for k in action["keys"]]}
     return action
+
+
+def _key(name: str) -> str:
+    """The browser's name of a key, except the space bar's, which is " ": a blank key the validator refuses (and
+    a trained model would write back), so "space" stays as written; the env maps it when it presses."""
+    browser = actions.key_name(name)
+    return browser if browser.strip() else name
 
 
 def _target(env: BrowserEnv, action: dict[str, Any], before: Observation) -> Element | None:
