@@ -121,6 +121,9 @@ class AppPlanning:
     model could not write, only once it has): not written again."""
     config: str
     """The config hash, with the prompts' versions (`prompt_fingerprint`): part of every manual and plan id."""
+    fallback: frozenset[str] = frozenset()
+    """Manual ids written as the template because the model's answer was unusable: asked again, and written again
+    only when the model's manual is usable now (an unusable answer is cached, so it would be the same row)."""
 
 
 def _direction(dx: float, dy: float) -> str:
@@ -439,6 +442,9 @@ def plan_app(units: list[AppPlanning], ws: Workspace, run_id: str, _: str) -> St
                     MANUAL, ManualAnswer, app=spec.title if spec else unit.app, family=fam,
                     trajectories=[_transitions(t) for t in trajectories])
                 mode, version = "model", f"{MANUAL}@{planner.prompts[MANUAL].version}"
+                if problem is not None and manual_id in unit.fallback:  # its template manual is there already
+                    out.stats[f"manual still the template: {problem}"] += 1
+                    continue
                 if problem is not None:  # the trajectories still teach: keep the template manual, say so
                     out.stats[f"manual kept as the template: {problem}"] += 1
                     mode = "fallback"
@@ -528,16 +534,19 @@ def prompt_fingerprint() -> str:
     return ",".join(f"{name}@{load_prompt(name, PROMPTS).version}" for name in (MANUAL, PLAN))
 
 
-def _written(ws: Workspace) -> frozenset[str]:
-    """The manual and plan ids already in the warehouse, which are not written again; not a manual kept as the
-    template because the model's answer was unusable (`mode: fallback`): a later run asks the model again."""
+def _written(ws: Workspace) -> tuple[frozenset[str], frozenset[str]]:
+    """The manual and plan ids already in the warehouse, which are not written again, and apart from them the
+    manuals kept as the template because the model's answer was unusable (`mode: fallback`), which a later run
+    asks the model for again."""
     ids: set[str] = set()
+    fallback: set[str] = set()
     if "manuals" in ws.catalog.tables():
-        ids |= set(ws.catalog.scan("manuals").filter(pl.col("mode") != "fallback").select("manual_id").collect()
-                   ["manual_id"])
+        manuals = ws.catalog.scan("manuals").select("manual_id", "mode").collect()
+        fallback = set(manuals.filter(pl.col("mode") == "fallback")["manual_id"])
+        ids |= set(manuals.filter(pl.col("mode") != "fallback")["manual_id"])
     if "plans" in ws.catalog.tables():
         ids |= set(ws.catalog.scan("plans").select("plan_id").collect()["plan_id"])
-    return frozenset(ids)
+    return frozenset(ids), frozenset(fallback - ids)
 
 
 def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
@@ -560,7 +569,7 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
         counts = ws.catalog.load("query_history", read["query_history"]).group_by("query_id").agg(
             pl.len().alias("n"), pl.col("success").sum().alias("ok"))
         history = {r["query_id"]: (r["n"], r["ok"]) for r in counts.to_dicts()}
-    written = _written(ws)
+    written, fallback = _written(ws)
     fingerprint = prompt_fingerprint()
     config = config_hash(ws.settings, SECTIONS, fingerprint)
     apps: dict[str, dict[str, list[Trajectory]]] = {}
@@ -580,7 +589,7 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
             by_family.setdefault(family(q), []).append(q)
         units.append(AppPlanning(app, families, by_family,
                                  {q.query_id: history[q.query_id] for q in mine if q.query_id in history},
-                                 written, config))
+                                 written, config, fallback))
     snapshots = {"episodes": snapshot} | ({"queries": queries_snapshot} if queries_snapshot is not None else {}) | read
     return Inputs(units=units, snapshots=snapshots, fingerprint=fingerprint, stats=stats)
 

@@ -655,10 +655,16 @@ def test_a_fallback_manual_is_asked_for_again_and_an_edited_prompt_is_new_work(r
     model.broken = {"manual"}
     try:
         fallback = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manuals-broken").run_id, episodes)
+        # asked again and unusable again (as a cached answer would be): the template manual is there already
+        still = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manuals-still-broken").run_id, episodes)
     finally:
         model.broken = set()
     written = ws.catalog.rows_added("manuals", fallback["manuals"])[0]
     assert written.height and set(written["mode"]) == {"fallback"}
+    lineage = ws.catalog.lineage("manuals", still["manuals"])
+    assert lineage.kept["manuals"] == 0 and ws.catalog.lineage("train_planning", still["train_planning"]).kept[
+        "train_planning"] == 0
+    assert sum(n for k, n in lineage.stats.items() if k.startswith("manual still the template")) == written.height
     again = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manuals-again").run_id, episodes)
     rewritten = ws.catalog.rows_added("manuals", again["manuals"])[0]
     assert set(rewritten["mode"]) == {"model"} and set(rewritten["manual_id"]) == set(written["manual_id"])
