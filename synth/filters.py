@@ -10,7 +10,8 @@ the same code, and each decision comes with its reason (the stage counts it in t
    against the programmatic checkers (the report's calibration table).
 2. **Thought-action consistency** (`synth.consistency`): rules, where the thought can be
    read against the action: it names interactive elements of the screen (whole names, the
-   longest first, so "Add to cart" is not also "Cart") but not the one the action hit, or,
+   longest first, so "Add to cart" is not also "Cart"; "the search box" is the field "Search dishes";
+   a typed text or key goes to the focused field) but not the one the action hit, or,
    in its words besides those names (a "Done" button is no "done"), it names a kind of
    action (type, scroll, ...) but not the one taken.
 3. **Task re-weighting by p_succ** (`synth.reweight_*`): each row's `weight` is
@@ -73,24 +74,46 @@ def _tokens(text: str) -> str:
     return " ".join(re.findall(r"[a-z0-9]+", text.casefold()))
 
 
-def _names(thought: str, nodes: list[AXNode]) -> tuple[set[str], str]:
+EDITABLE = {"textbox", "searchbox", "combobox", "spinbutton"}
+"""Roles a typed text or a pressed key goes to: what a `type` or `key` step's target (the focused field) is."""
+FIELD_WORDS = ("box", "field", "bar", "input")
+"""Words after a name that make it a field's ("the search box"), so a part of the field's own name."""
+
+
+@dataclass(frozen=True)
+class _Mention:
+    roles: frozenset[str]
+    """The roles of the screen's elements of that name."""
+    as_field: bool
+    """Whether the thought follows the name with a field word ("search box")."""
+
+
+def _names(thought: str, nodes: list[AXNode]) -> tuple[dict[str, _Mention], str]:
     """Names of interactive elements of the screen that the thought mentions (whole names, 3+ letters), and the
     thought's words without them. The longest name is read first and taken out, so a name inside a longer one it
     is part of ("cart" in "add to cart") is not also mentioned, and a name is not read as a verb ("Tap Done")."""
     text = f" {_tokens(thought)} "
-    found = set()
-    names = {_tokens(node.name) for node in nodes if node.role in INTERACTIVE}
-    for name in sorted((n for n in names if len(n) >= 3), key=len, reverse=True):
+    roles: dict[str, set[str]] = {}
+    for node in nodes:
+        if node.role in INTERACTIVE:
+            roles.setdefault(_tokens(node.name), set()).add(node.role)
+    found: dict[str, _Mention] = {}
+    for name in sorted((n for n in roles if len(n) >= 3), key=len, reverse=True):
         mention = re.compile(rf"(?<= ){re.escape(name)}(?= )")
         if mention.search(text):
-            found.add(name)
+            as_field = re.search(rf"(?<= ){re.escape(name)} (?:{'|'.join(FIELD_WORDS)})(?= )", text) is not None
+            found[name] = _Mention(frozenset(roles[name]), as_field)
             text = mention.sub("|", text)  # a mark no name holds: a shorter name cannot span what was taken out
     return found, text
 
 
 def consistent(thought: str, action_type: str, target_name: str | None, ax_tree: str | None) -> Verdict:
     """Filter 2, by rules: does the thought decide the action that was taken? It must not name elements of the
-    screen without the one the action hit, nor (in its other words) kinds of action without the one taken."""
+    screen without the one the action hit, nor (in its other words) kinds of action without the one taken.
+
+    A name refers to the target when it is the target's name, or a part of it the thought calls a field ("the
+    search box" for the searchbox "Search dishes"). Typing and keys go to the focused field, so there the names of
+    elements nothing can be typed into do not count ("Type milk and search" beside a Search button)."""
     if not thought.strip():
         return Verdict(True, "no thought to check")
     try:
@@ -105,9 +128,13 @@ def consistent(thought: str, action_type: str, target_name: str | None, ax_tree:
         return Verdict(False, f"the thought says {'/'.join(sorted(named_kinds))}, the action is {action_type}",
                        "kind of action")
     target = _tokens(target_name or "")
-    if target and named and target not in named:
-        return Verdict(False, f"the thought names {sorted(named)[0]!r}, the action hit {target_name!r}", "element")
-    return Verdict(True, "the thought names the target" if target and named else "nothing in the thought contradicts")
+    if kind == "type" or action_type == "key":
+        named = {n: m for n, m in named.items() if m.roles & EDITABLE}
+    if not target or not named:
+        return Verdict(True, "nothing in the thought contradicts")
+    if any(n == target or m.as_field and f" {n} " in f" {target} " for n, m in named.items()):
+        return Verdict(True, "the thought names the target")
+    return Verdict(False, f"the thought names {sorted(named)[0]!r}, the action hit {target_name!r}", "element")
 
 
 def weights(p_succ: dict[str, float], *, smoothing: float, low: float, high: float) -> dict[str, float]:

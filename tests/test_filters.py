@@ -130,6 +130,18 @@ def test_filter_2_reads_whole_element_names_the_longest_first_and_verbs_beside_t
     assert not scroll.ok and scroll.rule == "kind of action"
 
 
+def test_filter_2_reads_a_fields_name_in_the_way_thoughts_say_it():
+    """The shop's search page has a searchbox "Search dishes" and a button "Search": a thought about the box says
+    "search", which is the button's whole name. "The search box" is the field's; and typing or a key goes to the
+    focused field, so a button's name beside it names nothing typed into. A click on another element named by
+    part of its name, without the field word, is still caught."""
+    tree = render([AXNode(0, "RootWebArea", "Search"), AXNode(1, "searchbox", "Search dishes", box=(16, 160, 274, 44)),
+                   AXNode(1, "button", "Search", box=(298, 160, 98, 44))])
+    for thought, action in (("Type Pad Thai into the search box.", "type"), ("Tap the search box.", "click"),
+                            ("Press Enter to search.", "key"), ("I search for Pad Thai.", "type")):
+        assert consistent(thought, action, "Search dishes", tree).ok, thought
+    assert not consistent("Tap Search to find the dish.", "click", "Search dishes", tree).ok  # the button's name
+
 def test_filter_3_weights_hard_tasks_up_and_easy_ones_down(blobs):
     w = weights({"easy": 1.0, "mid": 0.5, "hard": 0.0}, smoothing=0.1, low=0.25, high=4.0)
     assert w["easy"] == 0.25 and w["hard"] > w["mid"] > w["easy"] and w["mid"] == pytest.approx(1.0)
