@@ -189,6 +189,23 @@ def validate(action: Any, width: int, height: int, space: Space = "mobile") -> s
     return None
 
 
+def direction(action: dict[str, Any]) -> str | None:
+    """The way a move goes on the screen (y grows downwards), by its larger part: up/down/left/right of a scroll
+    (wheel dy, dx: dy > 0 shows what is below) or of a swipe or drag (start to end); None without one or for no
+    move."""
+    if action["type"] == "scroll":
+        dx, dy = float(action.get("dx", 0)), float(action.get("dy", 0))
+    elif "x2" in action and "y2" in action:
+        dx, dy = float(action["x2"]) - float(action["x"]), float(action["y2"]) - float(action["y"])
+    else:
+        return None
+    if dx == dy == 0:
+        return None
+    if abs(dy) >= abs(dx):
+        return "down" if dy > 0 else "up"
+    return "right" if dx > 0 else "left"
+
+
 def point(action: dict[str, Any]) -> tuple[float, float] | None:
     """Where a pointer action lands (its start point), or None for other actions."""
     if "x" in action and "y" in action:

@@ -44,21 +44,6 @@ def text_f1(a: str, b: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _direction(action: dict[str, Any]) -> str | None:
-    """up/down/left/right of a scroll (wheel dy, dx) or a swipe (start to end), None without one."""
-    if action["type"] == "scroll":
-        dx, dy = float(action.get("dx", 0)), float(action.get("dy", 0))
-    elif "x2" in action and "y2" in action:
-        dx, dy = float(action["x2"]) - float(action["x"]), float(action["y2"]) - float(action["y"])
-    else:
-        return None
-    if dx == dy == 0:
-        return None
-    if abs(dy) >= abs(dx):
-        return "down" if dy > 0 else "up"
-    return "right" if dx > 0 else "left"
-
-
 def _keys(action: dict[str, Any]) -> list[str] | None:
     """The keys a key action presses, by the browser's names (`actions.key_name`: 'enter' is 'Enter'), from a
     phone's single `key` and a desktop's `keys` alike: steps recorded before the recorder stored each space's own
@@ -90,9 +75,9 @@ def match(predicted: dict[str, Any], trusted: dict[str, Any], *, target_box: lis
         return Match(False, f"type {kind!r} is not {want!r}")
     reasons = [f"type {kind}"]
     point = actions.point(predicted)
-    direction = _direction(trusted) if want in ("scroll", "swipe") else None
+    direction = actions.direction(trusted) if want in ("scroll", "swipe") else None
     if direction is not None:
-        got = _direction(predicted)
+        got = actions.direction(predicted)
         if got != direction:
             return Match(False, f"direction {got} is not {direction}")
         reasons.append(f"direction {direction}")

@@ -126,15 +126,6 @@ class AppPlanning:
     only when the model's manual is usable now (an unusable answer is cached, so it would be the same row)."""
 
 
-def _direction(dx: float, dy: float) -> str:
-    """The way a move goes on the screen (y grows downwards), by its larger part; none for no move."""
-    if not dx and not dy:
-        return ""
-    if abs(dy) >= abs(dx):
-        return " down" if dy > 0 else " up"
-    return " right" if dx > 0 else " left"
-
-
 def action_words(step: Step) -> str:
     """A recorded action in words for a manual, with what it was done with, since a manual that leaves it out
     cannot be followed: the text typed (a secret's placeholder as `action_json` keeps it, never its value), the
@@ -150,10 +141,9 @@ def action_words(step: Step) -> str:
         return said + (" and press Enter" if args.get("enter") else "")
     if kind == "key":  # mobile's one `key`, desktop's `keys` pressed together
         said = "press " + "+".join(args.get("keys") or [args["key"]])
-    elif kind in ("swipe", "drag"):  # the finger's way, from (x, y) to (x2, y2)
-        said = kind + _direction(args["x2"] - args["x"], args["y2"] - args["y"])
-    elif kind == "scroll":  # dy > 0 shows what is below
-        said = kind + _direction(args.get("dx", 0), args["dy"])
+    elif kind in ("swipe", "drag", "scroll"):  # the finger's way, from (x, y) to (x2, y2); a wheel's dy > 0 is down
+        way = actions.direction(args)
+        said = f"{kind} {way}" if way else kind
     elif kind == "system_button":
         said = f"press the {args['button']} button"
     elif kind in ("open", "answer"):
