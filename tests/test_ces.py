@@ -10,7 +10,6 @@ scripted Executor carries out the instructions it knows.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import re
 from datetime import UTC, datetime
@@ -18,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from PIL import Image
 from scripted import ScriptedServer, completion, message_text, notes_workspace
 from starlette.requests import Request
 from starlette.responses import Response
+from test_trusted import made, made_reference
 
-from trajforge.data.catalog import Lineage
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.structured import ThinkAnswer
 from trajforge.llm.workspace import Workspace
@@ -158,33 +156,22 @@ def test_the_steps_scored_are_later_steps_before_any_step_0():
     assert [index for unit, index in chosen if unit.episode_id == "short"] == [0]
 
 
-def _made(key: str, run: str = "made") -> Lineage:
-    return Lineage(stage="test", run_id=run, commit_key=key, config_hash="x", code_version="x")
-
-
 def test_a_step_the_step_critic_labelled_harmful_is_history_not_a_target(tmp_path):
     """An accepted episode's step whose latest step critique is HARMFUL (judged again: the latest label wins) and its
     invalid step stay in the episode, for the states after them, but no stage is taught either: no scored step, no
     SFT row, each counted; the fallback state lists what was carried out."""
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={"writer": "model"}))
-    buffer = io.BytesIO()
-    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
-    png = ws.blobs.put(buffer.getvalue()).sha256
-    now = datetime(2026, 12, 5, tzinfo=UTC)
-    ws.catalog.commit_rows("episodes", [Episode(
-        run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="reference",
-        model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=4, final_url="u",
-        final_state_json="{}", started_at=now, finished_at=now, source="reference", success=True)], _made("episodes"))
+    png = made_reference(ws, 4)
     steps = [_step("click", {"x": 5, "y": 9}, "link", "Cart").model_copy(update={
         "run_id": "made", "step_id": f"e:{i}", "episode_id": "e", "step_index": i, "screenshot_before": png,
         "screenshot_after": png}) for i in range(4)]
     steps[3] = steps[3].model_copy(update={"action_type": "fly", "action_json": "{}", "action_valid": False})
-    snapshot = ws.catalog.commit_rows("steps", steps, _made("steps"))
+    snapshot = ws.catalog.commit_rows("steps", steps, made("steps"))
     for n, labels in enumerate(({"e:1": "GOOD", "e:2": "HARMFUL"}, {"e:1": "HARMFUL", "e:2": "GOOD"})):
         ws.catalog.commit_rows("step_critiques", [StepCritique(
             run_id=f"critics{n}", critique_id=f"{step}:{n}", step_id=step, episode_id="e", critic="c", model_id="m",
             prompt_version="1", analysis="", summary="", label=label, raw_output="")  # type: ignore[arg-type]
-            for step, label in labels.items()], _made(f"critiques{n}", f"critics{n}"))
+            for step, label in labels.items()], made(f"critiques{n}", f"critics{n}"))
     inputs = ces.load_trusted(ws, snapshot)
     [unit] = inputs.units
     assert unit.harmful == {"e:1"} and len(unit.steps) == 4
@@ -216,15 +203,15 @@ def test_a_policy_episode_is_trusted_by_the_critics_latest_verdict(tmp_path):
                         policy="gui_owl_e2e", model_id="m", prompt_version="1", viewport="mobile",
                         status="terminated", num_steps=1, final_url="u", final_state_json="{}", started_at=now,
                         finished_at=now, source="policy") for e in ("flipped-out", "flipped-in")]
-    ws.catalog.commit_rows("episodes", episodes, _made("episodes"))
+    ws.catalog.commit_rows("episodes", episodes, made("episodes"))
     steps = [_step("click", {"x": 5, "y": 9}, "link", "Cart").model_copy(update={
         "run_id": "made", "step_id": f"{e.episode_id}:0", "episode_id": e.episode_id}) for e in episodes]
-    snapshot = ws.catalog.commit_rows("steps", steps, _made("steps"))
+    snapshot = ws.catalog.commit_rows("steps", steps, made("steps"))
     for n, accepted in enumerate(({"flipped-out"}, {"flipped-in"})):
         ws.catalog.commit_rows("verdicts", [Verdict(
             run_id=f"critics{n}", verdict_id=f"{e.episode_id}:{n}", episode_id=e.episode_id, query_id="q",
             success=e.episode_id in accepted, consensus="checker_first", channels_json="{}", reason="r",
-            config_hash="x") for e in episodes], _made(f"verdicts{n}", f"critics{n}"))
+            config_hash="x") for e in episodes], made(f"verdicts{n}", f"critics{n}"))
     inputs = ces.load_trusted(ws, snapshot)
     assert [u.episode_id for u in inputs.units] == ["flipped-in"]
     assert inputs.stats["not trusted: policy episode not accepted by the critics"] == 1

@@ -62,8 +62,23 @@ def test_a_named_prediction_can_choose_the_steps_target_after_the_first_max_targ
     assert [c["target"]["const"] for c in clicks] == names[:MAX_TARGETS]
 
 
-def _made(key: str, run: str = "made") -> Lineage:
+def made(key: str, run: str = "made") -> Lineage:
+    """The lineage of a commit a test makes by hand."""
     return Lineage(stage="test", run_id=run, commit_key=key, config_hash="x", code_version="x")
+
+
+def made_reference(ws: Workspace, num_steps: int) -> str:
+    """Commit a reference episode "e" its checker passed (so its steps are trusted), and a white screenshot for its
+    steps; the screenshot's sha256."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
+    when = datetime(2026, 12, 5, tzinfo=UTC)
+    ws.catalog.commit_rows("episodes", [Episode(
+        run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="reference",
+        model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=num_steps,
+        final_url="u", final_state_json="{}", started_at=when, finished_at=when, source="reference", success=True)],
+        made("episodes"))
+    return ws.blobs.put(buffer.getvalue()).sha256
 
 
 def test_a_click_that_changed_nothing_is_history_not_a_target(tmp_path):
@@ -71,25 +86,17 @@ def test_a_click_that_changed_nothing_is_history_not_a_target(tmp_path):
     accepted, but no synthesis stage is taught it (the export drops it from train_e2e too); a terminate, which
     changes nothing by nature, stays a target, and so does a click a later critique no longer flags."""
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
-    buffer = io.BytesIO()
-    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
-    png = ws.blobs.put(buffer.getvalue()).sha256
-    when = datetime(2026, 12, 5, tzinfo=UTC)
-    ws.catalog.commit_rows("episodes", [Episode(
-        run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="reference",
-        model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=3, final_url="u",
-        final_state_json="{}", started_at=when, finished_at=when, source="reference", success=True)],
-        _made("episodes"))
+    png = made_reference(ws, 3)
     steps = [_step(0, "click", {"x": 5, "y": 9}, name="Cart", png=png),
              _step(1, "click", {"x": 5, "y": 9}, name="Cart", png=png),
              _step(2, "terminate", {"status": "success"}, png=png)]
-    snapshot = ws.catalog.commit_rows("steps", steps, _made("steps"))
+    snapshot = ws.catalog.commit_rows("steps", steps, made("steps"))
     judged = ({"e:0": ["no_change"], "e:1": None}, {"e:0": None, "e:1": ["no_change"], "e:2": ["no_change"]})
     for n, flags in enumerate(judged):
         ws.catalog.commit_rows("step_critiques", [StepCritique(
             run_id=f"critics{n}", critique_id=f"{step}:{n}", step_id=step, episode_id="e", critic="c", model_id="m",
             prompt_version="1", analysis="", summary="", label="NEUTRAL" if flagged else "GOOD", raw_output="",
-            flags=flagged) for step, flagged in flags.items()], _made(f"critiques{n}", f"critics{n}"))
+            flags=flagged) for step, flagged in flags.items()], made(f"critiques{n}", f"critics{n}"))
     inputs = load_trusted(ws, snapshot)
     [unit] = inputs.units
     assert [i for _, i in spread([unit], 10)] == [0, 2] and len(unit.steps) == 3
