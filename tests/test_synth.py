@@ -372,15 +372,20 @@ def test_action_semantics_one_row_per_valid_step_and_the_best_of_k_votes(recorde
     assert training.height == rows.height and all(len(i) == 2 for i in training["images"])
 
 
+def _grey_screens(ws: Workspace, size: tuple[int, int], *shades: int) -> list[str]:
+    """One plain grey screenshot of `size` per shade, put in the blob store: their sha256s, in order."""
+    shots = []
+    for shade in shades:
+        buffer = io.BytesIO()
+        Image.new("RGB", size, (shade, shade, shade)).save(buffer, format="PNG")
+        shots.append(ws.blobs.put(buffer.getvalue()).sha256)
+    return shots
+
 def test_an_action_that_changed_nothing_makes_no_inverse_dynamics_row(tmp_path):
     """The same screenshot before and after: any action that does nothing would answer "which action turned the
     first into the second?", so the step makes no row, counted; the step that changed the screen makes one."""
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={"writer": "template"}))
-    shots = []
-    for shade in (0, 90):
-        buffer = io.BytesIO()
-        Image.new("RGB", (390, 844), (shade, shade, shade)).save(buffer, format="PNG")
-        shots.append(ws.blobs.put(buffer.getvalue()).sha256)
+    shots = _grey_screens(ws, (390, 844), 0, 90)
     steps = [Step(run_id="r", step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=before,
                   screenshot_after=shots[1], width=390, height=844, url_before="u", url_after="u", title_before="t",
                   title_after="t", ax_tree_before="", action_type="click", action_json='{"x": 50, "y": 25}',
@@ -396,11 +401,7 @@ def test_a_desktop_key_press_recorded_in_the_phones_form_is_taught_as_computer_u
     tool has only `keys`, so every training answer made from such a step (semantics' inverse dynamics, the
     policy's own step) calls `computer_use` with ["Enter"], the key the env pressed."""
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={"writer": "template"}))
-    shots = []
-    for shade in (0, 90):
-        buffer = io.BytesIO()
-        Image.new("RGB", (1280, 800), (shade, shade, shade)).save(buffer, format="PNG")
-        shots.append(ws.blobs.put(buffer.getvalue()).sha256)
+    shots = _grey_screens(ws, (1280, 800), 0, 90)
     step = Step(run_id="r", step_id="e:0", episode_id="e", step_index=0, screenshot_before=shots[0],
                 screenshot_after=shots[1], width=1280, height=800, url_before="u", url_after="u", title_before="t",
                 title_after="t", ax_tree_before="", action_type="key", action_json='{"key": "enter"}',
@@ -428,11 +429,7 @@ def test_semantics_done_again_with_another_configuration_replaces_the_episodes_r
         return ws, run, run_inline(semantics.STAGE, ws, run, steps_at)
 
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
-    shots = []
-    for shade in (0, 90, 180):
-        buffer = io.BytesIO()
-        Image.new("RGB", (390, 844), (shade, shade, shade)).save(buffer, format="PNG")
-        shots.append(ws.blobs.put(buffer.getvalue()).sha256)
+    shots = _grey_screens(ws, (390, 844), 0, 90, 180)
     run = ws.ledger.open_run("test", "rollout").run_id
     steps = [Step(run_id=run, step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=shots[i],
                   screenshot_after=shots[i + 1], width=390, height=844, url_before="u", url_after="u",
