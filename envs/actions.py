@@ -114,6 +114,36 @@ def key_name(key: str) -> str:
     return _KEY_ALIASES.get(key.strip().lower(), key)
 
 
+def canonical_key(name: str) -> str:
+    """A key's name as a step stores it: the browser's (`key_name`), except the space bar's, which is " ": a blank
+    key the validator refuses (and a trained model would write back), so "space" stays as written; the env maps it
+    when it presses."""
+    browser = key_name(name)
+    return browser if browser.strip() else name
+
+
+def canonical(action: dict[str, Any], space: Space) -> dict[str, Any]:
+    """An action in its space's own form (`normalize`: an alias type resolved, a desktop key press as `keys`) with
+    its keys' canonical names (`canonical_key`): what the env executes, and so what a step stores and a training
+    answer says. A policy may write either space's key form and a model pyautogui's names; rows recorded before the
+    recorder stored this form are read through it too (`rollout.gui_owl.to_call`)."""
+    action = normalize(action, space)
+    if isinstance(action.get("key"), str):
+        action = {**action, "key": canonical_key(action["key"])}
+    if isinstance(action.get("keys"), list):
+        action = {**action, "keys": [canonical_key(k) if isinstance(k, str) else k for k in action["keys"]]}
+    return action
+
+
+def pressed(action: dict[str, Any]) -> list[str] | None:
+    """The keys a key action presses, by the browser's names (`key_name`: 'space' and " " alike are " "), from a
+    phone's single `key` and a desktop's `keys` alike (steps recorded before the recorder stored each space's own
+    form hold a desktop key press as `key`, while a desktop prediction always says `keys`); None for an action that
+    names no keys. Two actions press the same keys when these agree."""
+    keys = action["keys"] if "keys" in action else [action["key"]] if "key" in action else None
+    return [key_name(str(k)) for k in keys] if isinstance(keys, list) else None
+
+
 def space_for(viewport: str) -> Space:
     """The action space of a viewport: 'desktop' for desktop, the mobile space otherwise."""
     return "desktop" if viewport == "desktop" else "mobile"

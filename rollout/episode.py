@@ -3,7 +3,7 @@
 Each step keeps the observation before and after the action (screenshot by hash in
 the blob store, accessibility tree with element boxes, URL, title), the action (a valid
 one as the env executed it, in its space's form with the browser's key names:
-`canonical`; an invalid one as the policy gave it), whether it was valid and why not,
+`actions.canonical`; an invalid one as the policy gave it), whether it was valid and why not,
 the element it aimed at with its box, and the policy's thought and raw output. An
 invalid action is recorded and the episode goes on (the agent wasted a step); a
 failure of the browser or app ends the episode with status env_fault and the fault's
@@ -48,26 +48,6 @@ class BlobSink(Protocol):
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def canonical(action: dict[str, Any], space: actions.Space) -> dict[str, Any]:
-    """An action in its space's own form (`actions.normalize`: an alias type resolved, a desktop key press as
-    `keys`) with the browser's key names (`actions.key_name`: 'enter' is 'Enter'): what the env executes, and so
-    what a step stores and a training answer says. A policy may write either space's key form and a model
-    pyautogui's names; rows recorded before the recorder stored this form are read through it too (`to_call`)."""
-    action = actions.normalize(action, space)
-    if isinstance(action.get("key"), str):
-        action = {**action, "key": _key(action["key"])}
-    if isinstance(action.get("keys"), list):
-        action = {**action, "keys": [_key(k) if isinstance(k, str) else k for k in action["keys"]]}
-    return action
-
-
-def _key(name: str) -> str:
-    """The browser's name of a key, except the space bar's, which is " ": a blank key the validator refuses (and
-    a trained model would write back), so "space" stays as written; the env maps it when it presses."""
-    browser = actions.key_name(name)
-    return browser if browser.strip() else name
 
 
 def _target(env: BrowserEnv, action: dict[str, Any], before: Observation) -> Element | None:
@@ -127,7 +107,7 @@ def run_episode(
             action = out.action
             error = out.error or actions.validate(action, before.width, before.height, env.space)
             if error is None:  # an invalid action is kept as the policy wrote it: the error is about that
-                action = canonical(action, env.space)
+                action = actions.canonical(action, env.space)
             target = _target(env, action, before) if error is None else None
             if error is None:
                 error = env.act(action)

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict
 from trajforge.envs import actions
 from trajforge.envs.browser import Observation, Target
 from trajforge.llm import Gateway, ImagePart, load_prompt
-from trajforge.rollout.episode import canonical
 from trajforge.rollout.policy import Draw, PolicyOutput
 from trajforge.schemas.config import ClickTargets
 from trajforge.schemas.records import Query
@@ -193,9 +192,9 @@ def to_action(call: ToolCall, function: str) -> dict[str, Any]:
 def to_call(action: dict[str, Any], function: str) -> dict[str, Any]:
     """A flat action of our space as GUI-Owl's function call: the inverse of `to_action`, for training samples.
 
-    The action is put in the function's space's form first (`episode.canonical`): a desktop step recorded before
+    The action is put in the function's space's form first (`actions.canonical`): a desktop step recorded before
     the recorder stored that form says {"key": "enter"}, and `computer_use` has only `keys` ("Enter")."""
-    action = canonical(action, "desktop" if function == FUNCTIONS["desktop"] else "mobile")
+    action = actions.canonical(action, "desktop" if function == FUNCTIONS["desktop"] else "mobile")
     args: dict[str, Any] = {"action": action["type"]}
     for key, value in action.items():
         if key in ("x", "x2"):

@@ -44,14 +44,6 @@ def text_f1(a: str, b: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _keys(action: dict[str, Any]) -> list[str] | None:
-    """The keys a key action presses, by the browser's names (`actions.key_name`: 'enter' is 'Enter'), from a
-    phone's single `key` and a desktop's `keys` alike: steps recorded before the recorder stored each space's own
-    form hold a desktop key press as `key`, while a desktop prediction (its call schema) always says `keys`."""
-    keys = action["keys"] if "keys" in action else [action["key"]] if "key" in action else None
-    return [actions.key_name(str(k)) for k in keys] if isinstance(keys, list) else None
-
-
 def _near(point: tuple[float, float], box: list[float] | None, trusted: tuple[float, float] | None,
           tolerance: float) -> tuple[bool, str]:
     x, y = point
@@ -101,7 +93,7 @@ def match(predicted: dict[str, Any], trusted: dict[str, Any], *, target_box: lis
         if f1 <= min_f1:
             return Match(False, f"text F1 {f1:.2f} <= {min_f1}")
         reasons.append(f"text F1 {f1:.2f}")
-    if (keys := _keys(trusted)) is not None and (pressed := _keys(predicted)) != keys:
+    if (keys := actions.pressed(trusted)) is not None and (pressed := actions.pressed(predicted)) != keys:
         return Match(False, f"keys {pressed!r} are not {keys!r}")
     for arg in ("button", "status"):
         if arg in trusted and predicted.get(arg) != trusted[arg]:

@@ -420,3 +420,18 @@ def test_spaces_follow_table_9_and_10() -> None:
     # A desktop key written the mobile way is read as a one-key chord.
     assert actions.normalize({"type": "key", "key": "Enter"}, "desktop") == {"type": "key", "keys": ["Enter"]}
     assert actions.validate({"type": "key", "key": "Enter"}, 10, 10, "desktop") is None
+
+
+def test_an_action_is_stored_in_its_spaces_form_with_the_browsers_key_names() -> None:
+    """What a step stores and a training answer says (`actions.canonical`), and what two key presses compare by
+    (`actions.pressed`): one table of key names serves the recorder, the replay and the matcher."""
+    assert actions.canonical({"type": "press", "key": "enter"}, "desktop") == {"type": "key", "keys": ["Enter"]}
+    assert actions.canonical({"type": "key", "keys": ["ctrl", "a"]}, "desktop") == {"type": "key",
+                                                                                     "keys": ["Control", "a"]}
+    assert actions.canonical({"type": "key", "key": "esc"}, "mobile") == {"type": "key", "key": "Escape"}
+    # the space bar keeps its name: its browser name, " ", is a blank key the validator refuses
+    stored = actions.canonical({"type": "key", "keys": ["space"]}, "desktop")
+    assert stored == {"type": "key", "keys": ["space"]} and actions.validate(stored, 10, 10, "desktop") is None
+    assert actions.pressed(stored) == actions.pressed({"type": "key", "key": " "}) == [" "]
+    assert actions.pressed({"type": "key", "key": "Enter"}) == actions.pressed({"type": "key", "keys": ["enter"]})
+    assert actions.pressed({"type": "click", "x": 1, "y": 2}) is None
