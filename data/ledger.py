@@ -15,7 +15,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -304,6 +304,12 @@ class Ledger:
             conn.execute(shards.delete().where(shards.c.run_id == run_id, shards.c.stage == stage))
             conn.execute(stages.delete().where(stages.c.run_id == run_id, stages.c.stage == stage,
                                                stages.c.snapshots.is_(None)))
+
+    def forget_shards(self, run_id: str, stage: str, shard_ids: Iterable[str]) -> None:
+        """Set aside these shards of this run's stage, done but not committed (their files stay until `expire`)."""
+        with self.engine.begin() as conn:
+            conn.execute(shards.delete().where(shards.c.run_id == run_id, shards.c.stage == stage,
+                                               shards.c.shard_id.in_(list(shard_ids))))
 
     def planned_units(self, run_id: str, stage: str) -> set[str] | None:
         """The unit keys this run's first plan of a `StageDef.once` stage kept; None before it (or where a

@@ -173,7 +173,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         return already
     records = ws.ledger.shards_done(run_id, stage.name)
     done = {r.shard_id for r in records}
-    if done - plan.shard_ids:
+    if stale := done - plan.shard_ids:
         landed = _landed(stage, ws, run_id)
         if len(landed) == len(stage.writes):
             # Every table landed and the process died before the ledger heard of it; the stage's loader reads its
@@ -181,9 +181,16 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             ws.ledger.mark_committed(run_id, stage.name, landed, once_hash=plan.once_hash, unit_keys=plan.unit_keys,
                                      replaces=plan.replaces)
             return landed
-        # a loader that counted this run's own first table commit as earlier work planned fewer units
-        raise RuntimeError(f"stage {stage.name!r}: the ledger holds {len(done - plan.shard_ids)} shard(s) this "
-                           "plan does not have: the stage's inputs changed since they ran")
+        if landed:  # a loader that counted this run's own first table commit as earlier work planned fewer units
+            raise RuntimeError(f"stage {stage.name!r}: the ledger holds {len(stale)} shard(s) this plan does not "
+                               f"have, and {', '.join(sorted(landed))} already holds this run's commit: the stage's "
+                               "inputs changed since they ran; `--fresh` starts a new run")
+        # Nothing landed yet: the inputs moved between the crash and this resume (another stage run by hand, say),
+        # so the units fell into other shards, all of which ran. Those earlier shards' rows are in no table; the
+        # current plan's are the stage's whole output, and committing both would write some units twice.
+        ws.ledger.forget_shards(run_id, stage.name, stale)
+        records = [r for r in records if r.shard_id in plan.shard_ids]
+        done -= stale
     if plan.shard_ids - done:
         raise RuntimeError(f"stage {stage.name!r}: {len(plan.shard_ids - done)} shard(s) not done; rerun to resume")
     kept: Counter[str] = Counter()

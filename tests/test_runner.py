@@ -91,6 +91,24 @@ def test_crashed_stage_resumes_without_redoing_or_duplicating(ws, run_id):
     assert sorted(frame["app"].to_list()) == APPS
 
 
+def test_a_resume_whose_inputs_moved_since_the_crash_commits_the_new_plan_once(ws, run_id):
+    """Killed mid-stage, then another stage run by hand adds an input: on the resume the units fall into other
+    shards. Those all run, and the commit takes the new plan's rows only, each unit once (it used to refuse on
+    every rerun, naming shards of the old plan)."""
+    calls: list[str] = []
+    p = plan(make_stage(calls, fail_on="app2"), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    assert calls[:2] == ["app0", "app1"]  # one shard done and recorded, nothing committed
+
+    moved = dataclasses.replace(make_stage(calls), load=lambda ws, snap: Inputs(units=["app"] + APPS, fingerprint="f"))
+    snapshots = run_all(moved, ws, run_id)
+    frame = ws.catalog.load("queries", snapshots["queries"])
+    assert sorted(frame["app"].to_list()) == sorted(["app"] + APPS)  # each unit once, the new one too
+    assert run_all(moved, ws, run_id) == snapshots  # and the stage stays committed
+
+
 def test_rerun_after_commit_changes_nothing(ws, run_id):
     calls: list[str] = []
     first = run_all(make_stage(calls), ws, run_id)
