@@ -62,10 +62,13 @@ def url_forms(value: str) -> tuple[str, ...]:
 def mask(text: str) -> str:
     """`text` with the value of every secret set in this process replaced by its placeholder: for what an app
     answers or shows outside the screen (a user's app may echo what was typed into it, a form sent by GET puts
-    it in the URL). The value is also found URL-encoded, in each of `url_forms`."""
-    for placeholder, value in _set():
-        for form in url_forms(value):
-            text = text.replace(form, placeholder)
+    it in the URL). The value is also found URL-encoded, in each of `url_forms`. The longest form is replaced
+    first: a secret inside another (a PIN inside a card code) would otherwise leave the longer one's rest showing,
+    in whatever order the environment lists them."""
+    forms = sorted(((form, placeholder) for placeholder, value in _set() for form in url_forms(value)),
+                   key=lambda pair: len(pair[0]), reverse=True)
+    for form, placeholder in forms:
+        text = text.replace(form, placeholder)
     return text
 
 

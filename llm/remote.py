@@ -162,8 +162,10 @@ class OpenAIBackend:
                 response = await self._retry(send, first, attempts)
         # The client lets the JSONDecodeError of a malformed body through: it is the server's fault, recorded alike.
         except (openai.OpenAIError, json.JSONDecodeError) as exc:
+            # `from None`: the client's exception keeps the server's body as it came, and a server may quote the key
+            # it refused; chained, it reached Prefect's log of the failed task in the traceback.
             raise BackendError(self._shown(f"endpoint {self.name} ({self.settings.base_url}): "
-                                           f"{type(exc).__name__}: {exc}"), attempts[0]) from exc
+                                           f"{type(exc).__name__}: {exc}"), attempts[0]) from None
         if not isinstance(response, ChatCompletion) or not response.choices:
             raise BackendError(self._shown(f"endpoint {self.name} ({self.settings.base_url}) answered no chat "
                                            f"completion: {str(response)[:200]}"), attempts[0])

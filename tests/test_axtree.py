@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from trajforge.envs import secrets
 from trajforge.envs.android import ax_nodes, parse_hierarchy
 from trajforge.envs.apps import AppServer, known_apps, load_app
 from trajforge.envs.axtree import AXNode, Element, from_cdp, parse, render
@@ -195,3 +196,13 @@ def test_a_secret_in_text_without_a_box_is_covered_by_its_closest_boxed_ancestor
     assert image.getpixel((5, 5)) == image.getpixel((50, 45)) == (255, 255, 255)  # the rest, the heading too
     image = seen(AXNode(0, "RootWebArea", "Account"), AXNode(1, "text", "Code: 481-S3CR3T"))
     assert image.getextrema() == ((0, 0), (0, 0), (0, 0))  # no ancestor has a box: all of it
+
+
+def test_a_secret_inside_another_is_masked_whole_in_either_order(monkeypatch) -> None:
+    """A PIN that is part of a card code: masked first, it left the card code's rest showing ('<pin>3377')."""
+    for first, second in ((("PIN", "4821"), ("CARD_CODE", "48213377")), (("CARD_CODE", "48213377"), ("PIN", "4821"))):
+        for name in ("PIN", "CARD_CODE"):
+            monkeypatch.delenv(f"TRAJFORGE_SECRET_{name}", raising=False)
+        for name, value in (first, second):  # the environment lists them in the order they were set
+            monkeypatch.setenv(f"TRAJFORGE_SECRET_{name}", value)
+        assert secrets.mask("card 48213377, pin 4821") == "card <secret>card_code</secret>, pin <secret>pin</secret>"

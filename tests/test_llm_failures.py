@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import traceback
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 from pathlib import Path
@@ -229,7 +230,8 @@ def test_api_key_appears_in_no_row_log_or_property(judge, tmp_path, monkeypatch,
             for seed, model in enumerate(("a", "b")):  # a: 500, then 401 on its retry; b: 401
                 with pytest.raises(GatewayError) as err:
                     gw.chat_sync(judge, model=model, sampling=Sampling(seed=seed))
-                outputs += [str(err.value), repr(err.value), err.value.record.model_dump_json()]
+                outputs += [str(err.value), repr(err.value), err.value.record.model_dump_json(),
+                            "".join(traceback.format_exception(err.value))]  # as Prefect logs a failed task
             outputs.append(repr(gw.stats))
             lineage = Lineage(
                 stage="s",
