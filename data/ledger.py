@@ -338,17 +338,20 @@ class Ledger:
                                                                      stages.c.snapshots.is_not(None))).scalars())
 
     def mark_committed(self, run_id: str, stage: str, snapshots: dict[str, int], *, once_hash: str = "",
-                       unit_keys: frozenset[str] = frozenset(), replaces: dict[str, str] | None = None) -> None:
+                       unit_keys: frozenset[str] = frozenset(), replaces: dict[str, str] | None = None,
+                       withdrawn: frozenset[str] = frozenset()) -> None:
         """The stage's commits are all in; with `unit_keys`, which units it did as `once_hash` says, in the
         same transaction (`units_done`).
 
         `replaces` (unit key -> its `StageDef.replaces` value): this run's commits took out the rows earlier runs
         wrote for those values, so those runs' units of the same values count as done no more. Export's keys are
         an episode and its verdict: an episode rejected, then accepted (its rows replaced), then rejected again
-        was skipped as done by the first run, and kept the acceptance's rows."""
+        was skipped as done by the first run, and kept the acceptance's rows. `withdrawn`: further values whose
+        rows the commits took out with no unit of this run (`Inputs.withdrawn`): done again when an input gives
+        them again (an episode the critics accept once more)."""
         replaces = replaces or {}
         with self.engine.begin() as conn:
-            values = sorted(set(replaces.values()))
+            values = sorted(set(replaces.values()) | withdrawn)
             for i in range(0, len(values), 500):  # SQLite's limit on a statement's variables
                 conn.execute(units.delete().where(units.c.stage == stage, units.c.scope == self.scope,
                                                   units.c.run_id != run_id, units.c.replaces.in_(values[i:i + 500])))
@@ -369,6 +372,18 @@ class Ledger:
             return set(conn.execute(sa.select(units.c.unit_key).where(
                 units.c.stage == stage, units.c.once_hash == once_hash, units.c.scope == self.scope,
                 units.c.run_id != besides)).scalars())
+
+    def values_done(self, stage: str, values: set[str], *, besides: str) -> set[str]:
+        """Of `values` of the stage's `StageDef.replaces` column, those whose units runs other than `besides` did in
+        `stage` and committed, under any configuration: those whose rows its tables may hold."""
+        found: set[str] = set()
+        ordered = sorted(values)
+        with self.engine.connect() as conn:
+            for i in range(0, len(ordered), 500):  # SQLite's limit on a statement's variables
+                found |= set(conn.execute(sa.select(units.c.replaces).where(
+                    units.c.stage == stage, units.c.scope == self.scope, units.c.run_id != besides,
+                    units.c.replaces.in_(ordered[i:i + 500]))).scalars())
+        return found
 
     def record_shard(self, run_id: str, stage: str, record: ShardRecord) -> None:
         values = dict(

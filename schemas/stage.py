@@ -39,6 +39,10 @@ class Inputs(Generic[U]):
     stats: Counter[str] = field(default_factory=Counter)
     """What loading left out and why (work already done by an earlier run, inputs that do not apply): it goes
     into the lineage beside the shards' own counts."""
+    withdrawn: dict[str, str] = field(default_factory=dict)
+    """For a stage with `StageDef.replaces`: values of its column that the input names but gives no unit for
+    now, each with why (an episode the critics have since rejected). Rows an earlier run wrote for them go in
+    this run's commits, nothing in their place, counted as `withdrawn: why`."""
 
 
 @dataclass

@@ -18,9 +18,10 @@ filters; the Reflector's answers are balanced 1:1 (filter 4).
 The tables accumulate, as every training table does: a version holds every row exported so far
 (what a fine-tuning job reads), the rows its run added are that night's (what the loop trains on,
 `Catalog.rows_added`), and a night with no policy episode adds none and empties nothing. An episode
-an earlier run took with the same acceptance, configuration and code is not taken again (`StageDef.once`: a
-stage rerun by hand on an older verdicts version writes no row twice); one the critics accept on a second
-judging after rejecting it is exported then. An episode exported again (judged again, or with another
+an earlier run took with the same acceptance, step critiques, configuration and code is not taken again
+(`StageDef.once`: a stage rerun by hand on an older verdicts version writes no row twice); one the critics
+accept on a second judging after rejecting it, or judge again with a step's label or flags changed, is exported
+then. An episode exported again (judged again, or with another
 configuration) replaces its earlier rows in the same commit (`StageDef.replaces`), so every table holds each
 episode's newest rows once, and an episode the critics reject on a second judging leaves no row behind.
 """
@@ -40,7 +41,7 @@ from trajforge.llm import ImagePart, load_prompt
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.gui_owl import PROMPT, action_lines
 from trajforge.schemas.config import SynthSettings
-from trajforge.schemas.ids import short_id
+from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import (
     Episode,
     ManagerChat,
@@ -147,7 +148,9 @@ def _role_rows(unit: ExportUnit, out: StageOutput, settings: SynthSettings, *, r
                 continue
             screens = [unit.steps[i - 1].screenshot_before, step.screenshot_before] if role == "reflector" and i \
                 else [step.screenshot_before]
-            rendered = load_prompt(f"mobile_agent_{role}").render(
+            prompt = load_prompt(f"mobile_agent_{role}")
+            out.prompts[prompt.name] = prompt.version  # the role's rows are rendered from it: the lineage names it
+            rendered = prompt.render(
                 task=unit.episode.instruction, screenshots=[ImagePart(sha256=h) for h in screens],
                 **({"actions": "\n".join(action_lines(actions.space_for(unit.episode.viewport)))} if role == "worker"
                    else {}), **said["inputs"])
@@ -206,11 +209,17 @@ def load_export_units(ws: Workspace, snapshot: int | None) -> Inputs[ExportUnit]
 
 
 def unit_key(unit: ExportUnit) -> str:
-    """The episode and whether the critics accepted it. `StageDef.once` skips a key that an earlier run did, and
-    the rows an episode gives depend on its verdict: keyed on the episode alone, an episode rejected by one export
-    was skipped by the next, after the critics had judged it again and accepted it (a user's `trajforge run
-    critics --input episodes@N` with a better judge, then `run export`), so it was never exported."""
-    return f"{unit.episode.episode_id}:{'accepted' if unit.success else 'not accepted'}"
+    """The episode, whether the critics accepted it and, if so, a digest of its steps' critiques (label, summary,
+    flags). `StageDef.once` skips a key that an earlier run did, and the rows an episode gives depend on all of
+    them: keyed on the episode alone, an episode rejected by one export was skipped by the next, after the critics
+    had judged it again and accepted it (a user's `trajforge run critics --input episodes@N` with a better judge,
+    then `run export`), so it was never exported; keyed without its critiques, an accepted episode judged again
+    with a step now HARMFUL kept that step's row. A rejected episode gives no row, whatever its critiques."""
+    if not unit.success:
+        return f"{unit.episode.episode_id}:not accepted"
+    critiques = [(s.step_id, c.label, c.summary, c.flags) if (c := unit.labels.get(s.step_id)) else (s.step_id,)
+                 for s in unit.steps]
+    return f"{unit.episode.episode_id}:accepted:{digest(json.dumps(critiques))}"
 
 
 def run_export(units: list[ExportUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:

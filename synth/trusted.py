@@ -180,9 +180,9 @@ def judged_steps(ws: Workspace, snapshot: int, step_ids: list[str]) -> tuple[set
 
 def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
     """The episodes of the steps a run wrote whose actions are trusted: reference replays their checker
-    passed, and episodes the critics' latest verdict accepted; the others are counted by reason. Each with the
-    steps the step critic's latest label (`step_critiques@latest`) calls HARMFUL or flags no_change, counted: not
-    imitated."""
+    passed, and episodes the critics' latest verdict accepted; the others are counted by reason, and withdrawn: a
+    stage that did one when it was trusted takes its rows out. Each with the steps the step critic's latest label
+    (`step_critiques@latest`) calls HARMFUL or flags no_change, counted: not imitated."""
     steps, snapshot = ws.catalog.rows_added("steps", snapshot)
     ids = steps["episode_id"].unique().to_list()
     # The other tables at the versions read now, named in the lineage: a rerun reads the same ones.
@@ -211,6 +211,8 @@ def load_trusted(ws: Workspace, snapshot: int | None) -> Inputs[TrustedEpisode]:
                 "policy episode not judged"
         if trusted is None:
             inputs.stats[f"not trusted: {why}"] += 1
+            # An earlier run may have trusted it (the critics judged it again since): its rows go (`Inputs.withdrawn`)
+            inputs.withdrawn[e["episode_id"]] = why
             continue
         episode_steps = by_episode.get(e["episode_id"], [])
         bad = frozenset(s.step_id for s in episode_steps if s.step_id in harmful)

@@ -83,7 +83,11 @@ def plan(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -
     replaces: dict[str, str] | None = None
     if stage.replaces is not None:
         column, value = stage.replaces
-        withdraw = Withdrawal(column, frozenset(value(u) for u in units))
+        # Only the values an earlier run did: a withdrawal of the others would take nothing out, after reading
+        # every file of the tables that might hold them.
+        gone = ws.ledger.values_done(stage.name, set(inputs.withdrawn), besides=run_id)
+        stats.update(f"withdrawn: {inputs.withdrawn[v]}" for v in gone)
+        withdraw = Withdrawal(column, frozenset(value(u) for u in units) | gone)
         replaces = {stage.key(u): value(u) for u in units}
     shards = [Shard(digest("\n".join(stage.key(u) for u in chunk)), chunk)
               for chunk in even_chunks(units, stage.shard_size(ws.settings))]
@@ -179,7 +183,8 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             # Every table landed and the process died before the ledger heard of it; the stage's loader reads its
             # own output (train's checkpoints), so it plans otherwise now. What landed is the whole stage.
             ws.ledger.mark_committed(run_id, stage.name, landed, once_hash=plan.once_hash, unit_keys=plan.unit_keys,
-                                     replaces=plan.replaces)
+                                     replaces=plan.replaces,
+                                     withdrawn=plan.withdraw.values if plan.withdraw else frozenset())
             return landed
         if landed:  # a loader that counted this run's own first table commit as earlier work planned fewer units
             raise RuntimeError(f"stage {stage.name!r}: the ledger holds {len(stale)} shard(s) this plan does not "
@@ -228,7 +233,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         withdraw = plan.withdraw if mode == "append" else None
         snapshots[table] = ws.catalog.commit_files(table, files[table], lineage, mode, withdraw)
     ws.ledger.mark_committed(run_id, stage.name, snapshots, once_hash=plan.once_hash, unit_keys=plan.unit_keys,
-                             replaces=plan.replaces)
+                             replaces=plan.replaces, withdrawn=plan.withdraw.values if plan.withdraw else frozenset())
     return snapshots
 
 

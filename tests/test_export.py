@@ -3,9 +3,11 @@ files of the tagged snapshot, after a real nightly run (replay policy: accepted 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
+from datetime import UTC, datetime
 
 import polars as pl
 import pyarrow as pa
@@ -13,6 +15,14 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from test_pipeline import workspace
+
+from trajforge.llm.workspace import Workspace
+from trajforge.schemas.config import Settings
+from trajforge.schemas.records import Episode, Step
+from trajforge.schemas.stage import Inputs
+from trajforge.synth import export
+from trajforge.synth.export import ExportUnit, StepLabel
+from trajforge.tasks.runner import run_inline
 
 pytestmark = pytest.mark.browser
 
@@ -69,3 +79,45 @@ def test_messages_are_qwen_chat_with_the_action_as_a_function_call_and_images_de
         if "x" in action:
             assert call["arguments"]["coordinate"] == [action["x"], action["y"]]
         assert answer.startswith(f"<thinking>{step['thought']}</thinking>")
+
+
+def _judged_unit(ws, labels: list[str]) -> ExportUnit:
+    """An accepted episode of two clicks, the first with the Notetaker's answer, its steps labelled `labels`."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
+    png = ws.blobs.put(buffer.getvalue()).sha256
+    when = datetime(2026, 12, 5, tzinfo=UTC)
+    episode = Episode(run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="replay",
+                      model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=2,
+                      final_url="u", final_state_json="{}", started_at=when, finished_at=when)
+    notes = {"notetaker": {"inputs": {"notes": []}, "output": {"notes": ["x"]}, "raw_output": '{"notes": ["x"]}'}}
+    steps = [Step(run_id="made", step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=png,
+                  screenshot_after=png, width=390, height=844, url_before="u", url_after="u", title_before="t",
+                  title_after="t", ax_tree_before="", action_type="click", action_json=json.dumps({"x": 5, "y": 9}),
+                  action_valid=True, thought="", raw_output="", duration_ms=0,
+                  roles_json=json.dumps(notes) if i == 0 else None) for i in range(2)]
+    return ExportUnit(episode, steps, True, {s.step_id: StepLabel(label, "s") for s, label in zip(steps, labels,
+                                                                                                 strict=True)})
+
+
+def test_an_accepted_episode_judged_again_with_a_step_now_harmful_loses_that_steps_row(tmp_path):
+    """The critics judge an accepted episode again and a step once GOOD is now HARMFUL, the episode still accepted:
+    the export does it again (it is not "already done") and its rows are replaced, that step's row gone; the
+    lineage names the Notetaker's prompt its rows were rendered from, beside the policy's."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    for n, labels in enumerate((["GOOD", "GOOD"], ["GOOD", "HARMFUL"], ["GOOD", "HARMFUL"])):
+        stage = dataclasses.replace(export.STAGE, load=lambda ws, snapshot, labels=labels: Inputs(
+            units=[_judged_unit(ws, labels)]))
+        snapshots = run_inline(stage, ws, ws.ledger.open_run("test", f"judged {n}").run_id)
+        rows = ws.catalog.load("train_e2e")
+        lineage = ws.catalog.lineage("train_e2e", snapshots["train_e2e"])
+        if n == 0:
+            assert sorted(rows["step_id"]) == ["e:0", "e:1"]
+            assert lineage.prompts == {"gui_owl_e2e": "1", "mobile_agent_notetaker": "1"}
+            assert ws.catalog.load("train_notetaker")["step_id"].to_list() == ["e:0"]
+        elif n == 1:
+            assert rows["step_id"].to_list() == ["e:0"] and rows["run_id"].to_list() == [lineage.run_id]
+            assert "already done by an earlier run with this configuration" not in lineage.stats
+        else:  # the same judgement again: nothing to redo
+            assert lineage.stats == {"already done by an earlier run with this configuration": 1}
+            assert rows["step_id"].to_list() == ["e:0"]

@@ -13,9 +13,11 @@ from trajforge.data.catalog import Lineage
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.gui_owl import MAX_TARGETS
 from trajforge.schemas.config import Settings
-from trajforge.schemas.records import Episode, Step, StepCritique
+from trajforge.schemas.records import Episode, Step, StepCritique, TrainingStep, Verdict
+from trajforge.schemas.stage import StageDef, StageOutput
 from trajforge.synth.match import match
-from trajforge.synth.trusted import load_trusted, prediction_schema, spread, trusted_action
+from trajforge.synth.trusted import TrustedEpisode, load_trusted, prediction_schema, spread, trusted_action
+from trajforge.tasks.runner import run_inline
 
 
 def _step(i: int, kind: str, args: dict, *, name: str | None = None, box: list[float] | None = None,
@@ -102,3 +104,41 @@ def test_a_click_that_changed_nothing_is_history_not_a_target(tmp_path):
     assert [i for _, i in spread([unit], 10)] == [0, 2] and len(unit.steps) == 3
     assert [unit.imitable(i) for i in range(3)] == [True, False, True] and unit.no_change == {"e:1"}
     assert inputs.stats["trusted steps that changed nothing (pre-filter no_change): history only, not imitated"] == 1
+
+
+def test_an_episode_the_critics_reject_after_a_stage_used_it_leaves_no_row(tmp_path):
+    """A stage of trusted steps (reasoning, pal_ui, ces) did an accepted policy episode; the critics judge it again
+    and reject it: rerun on the same steps, the stage takes its rows out (counted as withdrawn) instead of keeping
+    them as "not trusted"; accepted once more, it is done again. An episode rejected from the start, which no run
+    did, is not counted as withdrawn."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    when = datetime(2026, 12, 5, tzinfo=UTC)
+    ws.catalog.commit_rows("episodes", [Episode(
+        run_id="made", episode_id=e, query_id="q", app="notes", instruction="task", policy="gui_owl",
+        model_id="m", prompt_version="1", viewport="mobile", status="terminated", num_steps=1, final_url="u",
+        final_state_json="{}", started_at=when, finished_at=when) for e in ("p", "r")], made("episodes"))
+    snapshot = ws.catalog.commit_rows("steps", [
+        _step(0, "terminate", {"status": "success"}).model_copy(update={"step_id": f"{e}:0", "episode_id": e})
+        for e in ("p", "r")], made("steps"))
+
+    def teach(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> StageOutput:
+        return StageOutput(rows={"train_e2e": [TrainingStep(
+            run_id=run_id, sample_id=f"{run_id}:{u.episode_id}", step_id=u.steps[0].step_id, episode_id=u.episode_id,
+            query_id=u.query_id, label="GOOD", messages_json="[]", images=[], tag="t") for u in units]})
+
+    stage = StageDef[Workspace, TrustedEpisode](
+        name="trusted-demo", key=lambda u: u.episode_id, reads="steps", writes={"train_e2e": "append"},
+        sections=("synth",), once=True, replaces=("episode_id", lambda u: u.episode_id), load=load_trusted,
+        run=teach, shard_size=lambda s: 50)
+    for n, accepted in enumerate((True, False, True)):
+        ws.catalog.commit_rows("verdicts", [Verdict(
+            run_id=f"critics{n}", verdict_id=f"{e}:{n}", episode_id=e, query_id="q", success=accepted and e == "p",
+            consensus="c", channels_json="{}", reason="", config_hash="x") for e in ("p", "r")],
+            made(f"verdicts{n}", f"critics{n}"))
+        run = ws.ledger.open_run("test", f"judged {n}").run_id
+        lineage = ws.catalog.lineage("train_e2e", run_inline(stage, ws, run, snapshot)["train_e2e"])
+        rows = ws.catalog.load("train_e2e")
+        assert rows["episode_id"].to_list() == (["p"] if accepted else []), n
+        withdrawn = {k: v for k, v in lineage.stats.items() if k.startswith("withdrawn")}
+        assert withdrawn == ({} if accepted else {"withdrawn: policy episode not accepted by the critics": 1}), n
+        assert lineage.stats["not trusted: policy episode not accepted by the critics"] == (1 if accepted else 2)
