@@ -9,6 +9,7 @@ keeps every channel's answer and reason, including the channels that were not as
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -175,11 +176,20 @@ def checker_for(app: str) -> Checker:
     return kind_for(app).check
 
 
+REFERENCE_NOT_JUDGED = "reference episodes: checked by the reference stage, not judged"
+"""The count of the run's episodes the critics leave to the reference stage, which checks each replay itself."""
+
+
 def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
-    """Episodes of one version, with the steps and queries of the same rollout run."""
+    """Episodes of one version, with the steps and queries of the same rollout run; its reference episodes are
+    counted, not judged."""
     episodes, snapshot = ws.catalog.rows_added("episodes", snapshot)
-    if "source" in episodes.columns:  # reference replays are checker-verified by the reference stage
-        episodes = episodes.filter(pl.col("source").is_null() | (pl.col("source") != "reference"))
+    stats: Counter[str] = Counter()
+    if "source" in episodes.columns:
+        policy = episodes.filter(pl.col("source").is_null() | (pl.col("source") != "reference"))
+        if reference := episodes.height - policy.height:
+            stats[REFERENCE_NOT_JUDGED] = reference
+        episodes = policy
     lineage = ws.catalog.lineage("episodes", snapshot)
     if lineage is None:
         raise LookupError(f"episodes@{snapshot} has no lineage, so its steps and queries cannot be found")
@@ -192,7 +202,8 @@ def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
         EpisodeUnit(Episode.model_validate(ep), by_episode.get(ep["episode_id"], []), queries.get(ep["query_id"]))
         for ep in episodes.to_dicts()
     ]
-    return Inputs(units=units, snapshots={"episodes": snapshot, "steps": steps_snapshot, "queries": queries_snapshot})
+    return Inputs(units=units, snapshots={"episodes": snapshot, "steps": steps_snapshot, "queries": queries_snapshot},
+                  stats=stats)
 
 
 def run_critics(units: list[EpisodeUnit], ws: Workspace, run_id: str, config_hash: str) -> StageOutput:

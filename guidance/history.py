@@ -121,11 +121,21 @@ class HistoryUnit:
     judged: list[JudgedEpisode]
     already_recorded: int
     """Judged episodes the history holds already: a rerun of the stage counts nothing twice."""
+    rolled: bool
+    """Whether the rollout run behind the verdicts has an episode of it, judged or not: a query it left out as
+    identical to earlier attempts, or dropped (an unknown app, a kind that cannot run), has none."""
 
 
 def load_judged(ws: Workspace, snapshot: int | None) -> tuple[list[tuple[EpisodeUnit, bool]], dict[str, int], Lineage]:
     """The judged episodes of one verdicts version with their success, the snapshots read, and the verdicts'
     lineage (the critics run that judged them)."""
+    judged, _, snapshots, lineage = _load_verdicts(ws, snapshot)
+    return judged, snapshots, lineage
+
+
+def _load_verdicts(ws: Workspace, snapshot: int | None
+                   ) -> tuple[list[tuple[EpisodeUnit, bool]], set[str], dict[str, int], Lineage]:
+    """`load_judged`, and the queries the judged rollout run has any policy episode of, judged or not."""
     verdicts, snapshot = ws.catalog.rows_added("verdicts", snapshot)
     lineage = ws.catalog.lineage("verdicts", snapshot)
     if lineage is None:
@@ -133,12 +143,13 @@ def load_judged(ws: Workspace, snapshot: int | None) -> tuple[list[tuple[Episode
     episodes = load_episodes(ws, lineage.inputs["episodes"])
     success = dict(verdicts.select("episode_id", "success").iter_rows())
     judged = [(u, success[u.episode.episode_id]) for u in episodes.units if u.episode.episode_id in success]
-    return judged, episodes.snapshots | {"verdicts": snapshot}, lineage
+    rolled = {u.episode.query_id for u in episodes.units}
+    return judged, rolled, episodes.snapshots | {"verdicts": snapshot}, lineage
 
 
 def load_history_units(ws: Workspace, snapshot: int | None) -> Inputs[HistoryUnit]:
     """Per query of the rolled-out set: its earlier record and this version's judged episodes."""
-    judged, snapshots, _ = load_judged(ws, snapshot)
+    judged, rolled, snapshots, _ = _load_verdicts(ws, snapshot)
     history, history_snapshot = ws.catalog.latest("query_history")
     recorded = set(history["episode_id"])
     prior: dict[str, list[int]] = {}
@@ -157,6 +168,7 @@ def load_history_units(ws: Workspace, snapshot: int | None) -> Inputs[HistoryUni
             judged=[JudgedEpisode(u.episode, u.steps, ok, numbered[u.episode.model_id]) for u, ok in mine
                     if u.episode.episode_id not in recorded],
             already_recorded=sum(u.episode.episode_id in recorded for u, _ in mine),
+            rolled=q["query_id"] in rolled,
         ))
     if history_snapshot is not None:
         snapshots["query_history"] = history_snapshot
@@ -177,8 +189,11 @@ def record(units: list[HistoryUnit], *, run_id: str, judged_at: datetime) -> Sta
                 out.rows["replay_buffer"].append(buffer_entry(j.episode, j.steps, run_id=run_id))
         if unit.already_recorded:
             out.dropped["episode already in query_history (a rerun of the stage)"] += unit.already_recorded
-        elif not unit.judged:
+        elif not unit.judged and unit.rolled:
             out.stats["queries with no judged episode (env faults only)"] += 1
+        elif not unit.judged:
+            out.stats["queries not rolled out by this run (not rolled again as identical, or dropped by the rollout: "
+                      "its lineage counts say why)"] += 1
         out.rows["queries"].append(
             unit.query.model_copy(update={"run_id": run_id, "attempts": attempts, "successes": successes}))
     return out

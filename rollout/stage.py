@@ -13,10 +13,11 @@ same ids and the catalog can tell a redone shard from new work.
 
 A query is not rolled again by a later night when the warehouse already holds its attempts
 with the same attempt key (`attempt_key`): the same query version, the settings that decide
-what the policy does, the model it asks, the guidance in its prompt, its sampled attempts'
-seeds and the code. Such a night would repeat those episodes step for step (the bundled
-apps, MiniWoB++ seeds and the reference path are deterministic, and the response cache
-answers the model), writing every training row a second time. `rollout.reroll_identical`
+what the policy does, the model it asks, the content of the prompt templates it renders and,
+for a text-only model, the OCR that renders its screens, the guidance in its prompt, its
+sampled attempts' seeds and the code. Such a night would repeat those episodes step for step
+(the bundled apps, MiniWoB++ seeds and the reference path are deterministic, and the response
+cache answers the model), writing every training row a second time. `rollout.reroll_identical`
 rolls them again, for an app whose state changes between nights; Android devices' queries
 are always rolled (a device's clock alone changes its screens).
 """
@@ -40,10 +41,12 @@ from trajforge.envs.kinds import AppKind, kind_for
 from trajforge.envs.pool import map_envs, warm_envs
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
+from trajforge.llm.prompts import PROMPTS_DIR
 from trajforge.llm.workspace import Workspace, code_version
 from trajforge.rollout.episode import BlobSink, run_episode
+from trajforge.rollout.gui_owl import PROMPT as GUI_OWL_PROMPT
 from trajforge.rollout.gui_owl import GuiOwlPolicy
-from trajforge.rollout.mobile_agent import MobileAgentPolicy
+from trajforge.rollout.mobile_agent import ROLES, MobileAgentPolicy
 from trajforge.rollout.policy import Draw, Policy
 from trajforge.rollout.random_policy import RandomPolicy
 from trajforge.rollout.replay import ReplayPolicy
@@ -61,6 +64,12 @@ ATTEMPT_SETTINGS = ("policy", "random_seed", "model", "history_images", "click_t
 """The rollout settings that decide what an attempt does; the others (contexts, shards, timeouts, the browser,
 fault reruns, reference viewports) decide only how the night runs."""
 
+
+POLICY_PROMPTS: dict[str, tuple[str, ...]] = {
+    "gui_owl_e2e": (GUI_OWL_PROMPT,),
+    "mobile_agent_v3": tuple(f"mobile_agent_{role}" for role in ROLES),
+}
+"""The prompt templates each model-driven policy renders; the replay and random policies render none."""
 
 NOT_ROLLED_AGAIN = "not rolled again: the warehouse holds this query's attempts with the same attempt key"
 """The rollout lineage's count of the queries a night left out as identical to earlier attempts (the report's)."""
@@ -92,15 +101,33 @@ def model_identity(settings: Settings, rollout: RolloutSettings) -> dict[str, An
     return {"name": name, "model": model, "reask": llm.reask, "constrain": llm.constrain}
 
 
+def policy_reads(ws: Workspace, rollout: RolloutSettings) -> dict[str, Any]:
+    """What the policy reads that `code_version()` does not tell apart after an edit in a dirty checkout or an
+    install without git: the content of the prompt templates it renders (and the gateway's re-ask, where
+    `llm.reask` is on) and, for a model that reads the screen as OCR text, the OCR engine that writes that text.
+    Only the chosen policy's prompts: editing another stage's prompt must not roll every query again. Empty for
+    the replay and random policies, which ask no model."""
+    if rollout.policy not in POLICY_PROMPTS:
+        return {}
+    names = POLICY_PROMPTS[rollout.policy] + (("reask",) if ws.settings.llm.reask else ())
+    reads: dict[str, Any] = {"prompts": {name: digest((PROMPTS_DIR / f"{name}.yaml").read_bytes(), 32)
+                                         for name in names}}
+    if not ws.gateway.sees_images(rollout.model or ws.settings.llm.default):
+        reads["ocr"] = ws.gateway.ocr.engine_id
+    return reads
+
+
 def attempt_key(query: Query, spec: str, settings: Settings, rollout: RolloutSettings, guidance: str | None,
-                seed_base: str) -> str:
+                seed_base: str, reads: dict[str, Any]) -> str:
     """What decides a query's attempts in a night, hashed (see the module docstring): its version in the
-    policy's viewport, `ATTEMPT_SETTINGS`, the model, the guidance text, the seed base where attempts are
-    sampled (greedy and seeded policies draw nothing from it) and the code version."""
+    policy's viewport, `ATTEMPT_SETTINGS`, the model, what the policy reads besides (`policy_reads`), the
+    guidance text, the seed base where attempts are sampled (greedy and seeded policies draw nothing from it)
+    and the code version."""
     about = {
         "query": query_version(query, spec, rollout.viewport),
         "settings": rollout.model_dump(mode="json", include=set(ATTEMPT_SETTINGS)),
         "model": model_identity(settings, rollout),
+        "reads": reads,
         "guidance": guidance,
         "seed_base": seed_base if rollout.temperature > 0 and rollout.policy not in ("replay", "random") else "",
         "code": code_version(),
@@ -274,15 +301,24 @@ class RolloutUnit:
     """The queries version it came from: its sampled attempts' seeds are drawn from it."""
     attempt_key: str | None = None
     """`attempt_key` of its attempts this night, stamped on their episodes."""
+    model: str | None = None
+    """The night's policy model as the plan read it (`night_settings` at the checkpoints version its lineage
+    names; None: `llm.default`): every shard rolls with the model its attempt key counts."""
 
 
-def night_settings(ws: Workspace) -> RolloutSettings:
+def reads_checkpoints(settings: Settings) -> bool:
+    """Whether the night's policy model comes from the checkpoints table (`night_settings`)."""
+    return settings.loop.train and settings.loop.models.get(settings.loop.iteration) is None
+
+
+def night_settings(ws: Workspace, checkpoints: int | None = None) -> RolloutSettings:
     """The rollout settings of this night: `rollout` with its model replaced by the configured loop iteration's
-    (`loop.models`) or, with `loop.train`, by the latest checkpoint the loop trained from it."""
+    (`loop.models`) or, with `loop.train`, by the latest checkpoint the loop trained from it (in the checkpoints
+    version `checkpoints`; None: the latest)."""
     settings = ws.settings
     model = settings.loop.models.get(settings.loop.iteration)
-    if model is None and settings.loop.train:
-        latest = latest_checkpoint(ws)
+    if reads_checkpoints(settings):
+        latest = latest_checkpoint(ws, checkpoints)
         model = latest.model_id if latest is not None else None
     return settings.rollout if model is None else settings.rollout.model_copy(update={"model": model})
 
@@ -297,13 +333,14 @@ def root_model_id(ws: Workspace) -> str:
     return ws.gateway.backend(ws.settings.rollout.model or ws.settings.llm.default).model_id
 
 
-def latest_checkpoint(ws: Workspace) -> Checkpoint | None:
-    """The newest checkpoint the loop trained from the configured policy model (its chain's root), or None.
+def latest_checkpoint(ws: Workspace, version: int | None = None) -> Checkpoint | None:
+    """The newest checkpoint the loop trained from the configured policy model (its chain's root) in one version
+    of the checkpoints table (None: its latest), or None.
 
     A checkpoint served in process whose folder is gone is an error that says so: rolling out with the base
     model instead would number its attempts as the wrong iteration."""
     root = root_model_id(ws)
-    mine = ws.catalog.load("checkpoints").filter(pl.col("root_model_id") == root).sort("created_at")
+    mine = ws.catalog.load("checkpoints", version).filter(pl.col("root_model_id") == root).sort("created_at")
     if mine.height == 0:
         return None
     latest = Checkpoint.model_validate(mine.row(-1, named=True))
@@ -313,12 +350,13 @@ def latest_checkpoint(ws: Workspace) -> Checkpoint | None:
     return latest
 
 
-def attempts_held(ws: Workspace) -> set[tuple[str, int]]:
-    """(attempt key, sample) of every policy episode of a finished run that did not end in an env fault.
+def attempts_held(ws: Workspace, version: int) -> set[tuple[str, int]]:
+    """(attempt key, sample) of every policy episode of a finished run that did not end in an env fault, in one
+    version of the episodes table.
 
     Not an unfinished run's: the run resuming now may have committed its episodes just before it was killed,
     and its plan must list the shards it had (a crashed run not resumed rolls its queries again)."""
-    episodes = ws.catalog.scan("episodes")
+    episodes = ws.catalog.scan("episodes", version)
     if "attempt_key" not in episodes.collect_schema().names():  # a warehouse written before attempt keys
         return set()
     unfinished = list(ws.ledger.unfinished_runs())
@@ -337,6 +375,9 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
     `rollout`, each its own run), the guidance run that followed the history run. Pairing by
     the queries' run id instead missed the second case (the history run writes queries, a
     later run the guidance).
+
+    The other tables it reads, episodes (for the attempts held) and with `loop.train` checkpoints (for the
+    policy model), are read at their latest version when the plan starts; checkpoints is named in its lineage.
     """
     frame, snapshot = ws.catalog.rows_added("queries", snapshot)
     snapshots = {"queries": snapshot}
@@ -352,8 +393,15 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
                     for r in rows.select("query_id", "guidance_id", "text").to_dicts()}
         if guidance:
             snapshots["guidance"] = info.snapshot_id
-    settings = night_settings(ws)
-    held = attempts_held(ws) if not settings.reroll_identical and frame.height else set()
+    wanted = [*(["checkpoints"] if reads_checkpoints(ws.settings) else []),
+              *(["episodes"] if not ws.settings.rollout.reroll_identical and frame.height else [])]
+    read = ws.catalog.latest_versions(*wanted)
+    # Not episodes: the rollout writes them, and each night's version naming the last would chain every episodes
+    # version (and what each read) into what `datasets expire` keeps, and every lineage walk over all nights.
+    snapshots |= {table: version for table, version in read.items() if table != "episodes"}
+    settings = night_settings(ws, read.get("checkpoints"))
+    held = attempts_held(ws, read["episodes"]) if "episodes" in read else set()
+    reads = policy_reads(ws, settings)
     specs: dict[str, str] = {}
     on_devices: set[str] = set()  # a device's screen and state drift (its clock, for one): always rolled again
     units: list[RolloutUnit] = []
@@ -369,11 +417,12 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
             except UnknownAppError:
                 specs[query.app] = ""  # the rollout drops it, naming the app
         guide = guidance.get(query.query_id)
-        key = attempt_key(query, specs[query.app], ws.settings, settings, guide.text if guide else None, seed_base)
+        key = attempt_key(query, specs[query.app], ws.settings, settings, guide.text if guide else None, seed_base,
+                          reads)
         if query.app not in on_devices and all((key, sample) in held for sample in range(settings.samples_per_query)):
             stats[NOT_ROLLED_AGAIN] += 1
             continue
-        units.append(RolloutUnit(query, guide, seed_base, key))
+        units.append(RolloutUnit(query, guide, seed_base, key, settings.model))
     return Inputs(units=units, snapshots=snapshots, stats=stats)
 
 
@@ -413,8 +462,9 @@ def rollout_summary(stats: dict[str, int]) -> str | None:
 
 
 def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
-    """Rollouts by the configured model iteration's model, guided where the run wrote guidance."""
-    settings = night_settings(ws)
+    """Rollouts by the night's model as the plan read it (`RolloutUnit.model`), guided where the run wrote
+    guidance."""
+    settings = ws.settings.rollout.model_copy(update={"model": units[0].model}) if units else ws.settings.rollout
     guidance = {u.query.query_id: (u.guidance.guidance_id, u.guidance.text) for u in units if u.guidance}
     out = rollout([u.query for u in units], run_id=run_id, settings=settings, blobs=ws.blobs, gateway=ws.gateway,
                   guidance=guidance, seed_base=units[0].seed_base if units else "")

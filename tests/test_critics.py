@@ -271,3 +271,37 @@ def test_step_critic_and_text_channel_on_the_embedded_model(recorded):
     assert text["asked"] and text["prompt_version"] == "1" and text["raw_output"]
     assert text["answer"] in ("success", "failure") or text["reason"].startswith("unparsed answer")
     assert out.models["trajectory_text"] == text["model_id"]
+
+
+def test_reference_episodes_of_the_run_are_counted_not_judged(tmp_path: Path) -> None:
+    """The reference stage writes episodes into the same night as the rollout; the critics leave them to it, and
+    say so in the lineage's counts, so the episodes the night wrote add up to those judged and those counted."""
+    from trajforge.critics.stage import REFERENCE_NOT_JUDGED, load_episodes
+    from trajforge.data.catalog import Lineage, commit_key
+    from trajforge.llm.workspace import Workspace
+    from trajforge.schemas.config import Settings
+    from trajforge.schemas.records import Episode
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    query = cart_query()
+
+    def commit(table: str, rows: list[Any], stage: str, **inputs: int) -> int:
+        return ws.catalog.commit_rows(table, rows, Lineage(
+            stage=stage, run_id="night", commit_key=commit_key("night", stage, table), inputs=inputs,
+            config_hash="x", code_version="x"))
+
+    def episode(episode_id: str, source: str | None) -> Episode:
+        now = datetime.now(timezone.utc)
+        return Episode(run_id="night", episode_id=episode_id, query_id=query.query_id, app="shop",
+                       instruction=query.instruction, policy="replay", model_id="replay", prompt_version="",
+                       viewport="mobile", status="terminated", num_steps=0, final_url="", final_state_json="{}",
+                       started_at=now, finished_at=now, source=source)
+
+    queries = commit("queries", [query], "history")
+    for stage, episodes in (("reference", [episode("r1", "reference"), episode("r2", "reference")]),
+                            ("rollout", [episode("p1", None)])):
+        commit("episodes", episodes, stage, queries=queries)
+        commit("steps", [], stage, queries=queries)
+    inputs = load_episodes(ws, None)
+    assert [u.episode.episode_id for u in inputs.units] == ["p1"]
+    assert inputs.stats == {REFERENCE_NOT_JUDGED: 2}

@@ -399,3 +399,77 @@ def test_references_come_from_the_rollouts_viewport_while_there_are_any(tmp_path
     inputs = load_hard_queries(ws, queries)
     assert [r["entry_id"] for r in inputs.units[0].references] == ["replay:a-mobile"]
     assert "episodes" in inputs.snapshots
+
+
+def test_a_secret_in_a_demonstration_is_kept_as_its_placeholder(tmp_path, monkeypatch):
+    """A person types the password itself where a policy types its placeholder, and a recorded page may show a
+    code in pieces: loading the file masks them, so no buffer row, guidance text or prompt holds the value."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", "harbor-Tide-8312")
+    monkeypatch.setenv("TRAJFORGE_SECRET_RECOVERY_CODE", "481-S3CR3T")
+    shown = 'RootWebArea "Code" (0,0,412,915)\n  text "Your code: 481-" (10,10,90,20)\n  text "S3CR3T" (100,10,50,20)'
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps({"query_id": "q", "instruction": "Sign in with harbor-Tide-8312", "steps": [
+        {"action_type": "type", "action_json": json.dumps({"text": "harbor-Tide-8312"}),
+         "thought": "type the password harbor-Tide-8312", "title_before": "Home", "title_after": "Settings",
+         "ax_tree_before": TREE_HOME, "ax_tree_after": shown}]}) + "\n")
+    [entry] = load_demonstrations(path)
+    assert "harbor-Tide-8312" not in json.dumps(entry) and "S3CR3T" not in entry["steps_json"], entry
+    [demo_step] = json.loads(entry["steps_json"])
+    assert json.loads(demo_step["action_json"]) == {"text": "<secret>account_password</secret>"}
+    assert demo_step["thought"] == "type the password <secret>account_password</secret>"
+    assert entry["instruction"] == "Sign in with <secret>account_password</secret>"
+    assert demo_step["ax_tree_after"] == ('RootWebArea "Code" (0,0,412,915)\n'
+                                         '  text "Your code: <secret>recovery_code</secret>" (10,10,90,20)\n'
+                                         '  text "<secret>recovery_code</secret>" (100,10,50,20)')
+    out = guide([HardQuery(_unit(), "never", True, [entry | {"new": True}])], run_id="r",
+                describer=Describer(None, BlobStore(tmp_path)), replay=None, max_steps=8)
+    [row] = out.rows["guidance"]
+    assert "<secret>account_password</secret>" in row.text and "harbor" not in row.text + row.outcomes_json
+    assert "harbor" not in out.rows["replay_buffer"][0].steps_json
+
+
+def test_a_demonstration_action_that_is_not_a_json_object_stops_the_load(tmp_path):
+    """Quality control and the secrets' masking read an action's fields: an action that is not a JSON object is
+    refused when the file is loaded, with the file, line and field."""
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps({"query_id": "q", "instruction": "Open the settings",
+                                "steps": [{"action_type": "click", "action_json": "x=40", "thought": "open"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"demos.jsonl:1: field 'steps.0.action_json': Value error"):
+        load_demonstrations(path)
+
+
+def test_history_tells_a_query_the_rollout_left_out_from_one_whose_episodes_all_faulted(tmp_path):
+    """A query the rollout did not roll (left out as identical to earlier attempts, or dropped) has no judged
+    episode, as one whose every episode was an environment fault: the history's counts say which it was."""
+    from trajforge.data.catalog import Lineage, commit_key
+    from trajforge.guidance.history import load_history_units, record
+    from trajforge.llm.workspace import Workspace
+    from trajforge.schemas.records import Episode, Verdict
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+
+    def commit(table: str, rows: list, stage: str, **inputs: int) -> int:
+        return ws.catalog.commit_rows(table, rows, Lineage(
+            stage=stage, run_id="night", commit_key=commit_key("night", stage, table), inputs=inputs,
+            config_hash="x", code_version="x"))
+
+    def episode(query_id: str, status: str) -> Episode:
+        return Episode(run_id="night", episode_id=f"e-{query_id}", query_id=query_id, app="shop",
+                       instruction="Open the settings", policy="random", model_id="random", prompt_version="",
+                       viewport="mobile", status=status, fault_kind="timeout" if status == "env_fault" else None,
+                       num_steps=1, final_url="", final_state_json="{}", started_at=T0, finished_at=T0)
+
+    queries = commit("queries", [_unit(q) for q in ("judged", "faulted", "left-out")], "history")
+    episodes = commit("episodes", [episode("judged", "terminated"), episode("faulted", "env_fault")], "rollout",
+                      queries=queries)
+    commit("steps", [], "rollout", queries=queries)
+    commit("verdicts", [Verdict(run_id="night", verdict_id="v", episode_id="e-judged", query_id="judged",
+                                success=True, consensus="majority", channels_json="{}", reason="",
+                                config_hash="x")], "critics", episodes=episodes)
+    out = record(load_history_units(ws, None).units, run_id="history", judged_at=T0)
+    assert [r.query_id for r in out.rows["query_history"]] == ["judged"]
+    assert out.stats == {
+        "queries with no judged episode (env faults only)": 1,
+        "queries not rolled out by this run (not rolled again as identical, or dropped by the rollout: its lineage "
+        "counts say why)": 1,
+    }

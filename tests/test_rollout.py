@@ -345,7 +345,7 @@ def test_an_attempt_key_changes_with_what_decides_the_attempt_and_not_with_how_t
 
     def key(rollout: RolloutSettings = greedy, *, q: Query = query, guidance: str | None = None,
             seed_base: str = "queries@1", s: Settings = settings, spec_hash: str = "spec-1") -> str:
-        return attempt_key(q, spec_hash, s, rollout, guidance, seed_base)
+        return attempt_key(q, spec_hash, s, rollout, guidance, seed_base, {})
 
     same = key()
     # How the night runs: contexts, shards, timeouts, fault reruns, the reference viewports, and (greedy) which
@@ -408,3 +408,97 @@ def test_a_finished_runs_identical_attempts_are_left_out_and_a_devices_never(tmp
     again = load_queries(ws, snapshot)
     assert [u.query.app for u in again.units] == ["android"] and again.stats == {NOT_ROLLED_AGAIN: 1}
     assert again.units[0].attempt_key == next(u.attempt_key for u in first.units if u.query.app == "android")
+
+
+def _held_night(ws, query: Query) -> int:
+    """Commit `query` as a queries version, then a finished run's policy episodes of its planned units with their
+    attempt keys, as a night that rolled it out leaves them; returns the queries version."""
+    from trajforge.data.catalog import Lineage
+    from trajforge.rollout.stage import load_queries
+
+    run = ws.ledger.open_run("nightly", f"night-{query.query_id}").run_id
+
+    def lineage(table: str) -> Lineage:
+        return Lineage(stage="test", run_id=run, commit_key=f"{run}:{table}", config_hash="x", code_version="x")
+
+    snapshot = ws.catalog.commit_rows("queries", [query.model_copy(update={"run_id": run})], lineage("queries"))
+    now = datetime.now(timezone.utc)
+    ws.catalog.commit_rows("episodes", [Episode(
+        episode_id=f"e{i}", query_id=u.query.query_id, app=u.query.app, instruction=u.query.instruction, run_id=run,
+        policy=ws.settings.rollout.policy, model_id="m", prompt_version="", viewport="mobile", status="terminated",
+        num_steps=1, final_url="", final_state_json="{}", started_at=now, finished_at=now, sample=0,
+        attempt_key=u.attempt_key) for i, u in enumerate(load_queries(ws, snapshot).units)], lineage("episodes"))
+    ws.ledger.finish_run(run, {})
+    return snapshot
+
+
+def test_an_edited_policy_prompt_or_a_text_only_models_ocr_rolls_a_query_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dirty checkout keeps its code version after an edit, so the attempt key reads the policy's prompts
+    themselves: a night after editing GUI-Owl's prompt rolls the query again, one after editing a critic's prompt
+    does not; a text-only model reads the screen as OCR text, so another OCR engine rolls it again too."""
+    import shutil
+
+    from trajforge.llm.prompts import PROMPTS_DIR
+    from trajforge.llm.workspace import Workspace
+    from trajforge.rollout import stage
+    from trajforge.rollout.stage import NOT_ROLLED_AGAIN, load_queries, policy_reads
+
+    prompts = tmp_path / "prompts"
+    shutil.copytree(PROMPTS_DIR, prompts)
+    monkeypatch.setattr(stage, "PROMPTS_DIR", prompts)
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))  # GUI-Owl on the embedded text-only model
+    snapshot = _held_night(ws, make_query(load_app("shop").spec, "cart"))
+
+    def rolled() -> bool:
+        inputs = load_queries(ws, snapshot)
+        assert len(inputs.units) + inputs.stats[NOT_ROLLED_AGAIN] == 1
+        return len(inputs.units) == 1
+
+    assert not rolled()
+    (prompts / "critic_step.yaml").write_text((prompts / "critic_step.yaml").read_text() + "# edited\n")
+    assert not rolled()
+    policy_prompt = prompts / "gui_owl_e2e.yaml"
+    original = policy_prompt.read_text()
+    policy_prompt.write_text(original + "# edited\n")
+    assert rolled()
+    policy_prompt.write_text(original)
+    assert not rolled()
+    monkeypatch.setattr(ws.gateway.ocr, "engine_id", "another-ocr")
+    assert rolled()
+    # A model that sees the screen reads no OCR; replay and random read no prompt.
+    vision = Workspace.open(Settings(warehouse={"path": tmp_path / "wh2"}, llm={"endpoints": {"big": {
+        "base_url": "http://gpu:8000/v1", "model": "qwen", "vision": True}}}, rollout={"model": "big"}))
+    assert set(policy_reads(vision, vision.settings.rollout)) == {"prompts"}
+    assert policy_reads(ws, RolloutSettings(policy="replay")) == {}
+    assert policy_reads(ws, RolloutSettings(policy="random")) == {}
+
+
+def test_the_rollout_plan_names_the_checkpoints_it_read_and_rolls_with_their_model(tmp_path: Path) -> None:
+    """With loop.train the policy model is the latest checkpoint: the checkpoints version the plan read is in its
+    lineage, and its units carry the model it read, so every shard rolls with the checkpoint the lineage names."""
+    from trajforge.data.catalog import Lineage
+    from trajforge.llm.workspace import Workspace
+    from trajforge.rollout.stage import load_queries
+    from trajforge.schemas.records import Checkpoint
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, rollout={"policy": "random"},
+                                 loop={"train": True}))
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    checkpoints = ws.catalog.commit_rows("checkpoints", [Checkpoint(
+        run_id="train", model_id=str(folder), checkpoint_hash="h", folder=str(folder), served_by="local",
+        base_model_id="base", root_model_id=ws.gateway.backend("local").model_id, trained_on=["steps@1"], samples=1,
+        steps=1, trainer="t", seconds=0.0, created_at=datetime.now(timezone.utc))],
+        Lineage(stage="train", run_id="train", commit_key="train:checkpoints", config_hash="x", code_version="x"))
+    query = make_query(load_app("shop").spec, "cart")
+    _held_night(ws, query)
+    another = query.model_copy(update={"run_id": "next", "query_id": "another"})  # a query no night rolled
+    later = ws.catalog.commit_rows("queries", [another], Lineage(
+        stage="history", run_id="next", commit_key="next:queries", config_hash="x", code_version="x"))
+    inputs = load_queries(ws, later)
+    # episodes, the rollout's own output, is read at one version but not named: each night naming the last would
+    # keep every episodes version from `datasets expire`
+    assert inputs.snapshots == {"queries": later, "checkpoints": checkpoints}
+    assert [u.model for u in inputs.units] == [str(folder)]
