@@ -429,7 +429,8 @@ class BrowserEnv:
         """The main frame's last document response: (HTTP status, URL)."""
         self._broken = False  # a fault happened: the next reset opens a new context
         self._origins: set[str] = set()  # origins the context visited, cleared at reset
-        self._seen: tuple[list[dict[str, Any]], Layout] = ([], Layout())  # the last observation's tree and layout
+        self._seen: tuple[list[dict[str, Any]], Layout, dict[str, str]] = ([], Layout(), {})
+        """The last observation's CDP tree and layout, and the names it masked (`element_at`)."""
         self._origin: str | None = None
         self._home = "about:blank"
         self._closed = False
@@ -628,7 +629,7 @@ class BrowserEnv:
         self._reports = []
         self._held = False  # the new document holds nothing
         self.validation_failed_at = None  # nor shows a validation bubble
-        self._seen = ([], Layout())
+        self._seen = ([], Layout(), {})
 
     async def _clear_storage(self) -> bool:
         """Clear the context's cookies and the storage of every origin the last episode visited; False when
@@ -726,10 +727,16 @@ class BrowserEnv:
         candidates = [n["backendDOMNodeId"] for n in tree["nodes"]
                       if not n.get("ignored") and n.get("backendDOMNodeId") in layout.boxes]
         nodes, focused = from_cdp(tree["nodes"], layout.boxes, layout.covered(candidates, (width, height)))
-        self._seen = (tree["nodes"], layout)
         title = strings[doc["title"]] if doc["title"] >= 0 else ""
-        return Observation(png, width, height, recorded_url(self._page.url, self._origin), title, tuple(nodes),
-                           focused)
+        shown = tuple(nodes)
+        obs = Observation(png, width, height, recorded_url(self._page.url, self._origin), title, shown, focused)
+        # Each name as the observation shows it, where that differs: only the observation sees a secret that
+        # runs across its nodes (`secrets.mask_pieces`), which no name alone holds. It keeps the nodes it was
+        # given unless a secret shows, so most steps skip the comparison.
+        masked = {} if obs.nodes is shown else {
+            n.name: m.name for n, m in zip(shown, obs.nodes, strict=True) if n.name != m.name}
+        self._seen = (tree["nodes"], layout, masked)
+        return obs
 
     async def _screenshot(self) -> dict[str, Any]:
         """`Page.captureScreenshot`, asked again when Chromium had no frame to give yet.
@@ -952,8 +959,10 @@ class BrowserEnv:
         where nothing resolves.
 
         Read from the last observation's tree and layout, not the live page: no round trip a
-        step, and the target is the element as the agent saw it (see `Layout`)."""
-        nodes, layout = self._seen
+        step, and the target is the element as the agent saw it (see `Layout`), its name masked as
+        the observation's is. A name is looked up by its text: where the page shows a piece of a
+        secret, the same text elsewhere on that page is masked too."""
+        nodes, layout, masked = self._seen
         by_backend = {n["backendDOMNodeId"]: n for n in nodes if "backendDOMNodeId" in n}
         # The hit node or, where it has no accessibility node of its own, its closest DOM ancestor that has one.
         node = next((by_backend[b] for b in layout.top_at(x, y) if b in by_backend), None)
@@ -965,9 +974,10 @@ class BrowserEnv:
             box = layout.boxes.get(node.get("backendDOMNodeId", -1))
             if not node.get("ignored"):  # the name masked, as the observation's are: it is the step's target
                 if role in INTERACTIVE_ROLES:
-                    return Element(role, secrets.mask(name), box)
+                    return Element(role, secrets.mask(masked.get(name, name)), box)
                 if fallback is None and name and role not in ("RootWebArea", "InlineTextBox"):
-                    fallback = Element("text" if role == "StaticText" else role, secrets.mask(name), box)
+                    fallback = Element("text" if role == "StaticText" else role, secrets.mask(masked.get(name, name)),
+                                       box)
             node = by_ax_id.get(node.get("parentId", ""))
         return fallback
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from trajforge.critics.stage import checker_for
-from trajforge.envs.axtree import parse
+from trajforge.envs import secrets
+from trajforge.envs.axtree import parse, render
 from trajforge.guidance.distill import Describer, guidance_row
 from trajforge.guidance.history import STEP_FIELDS, buffer_entry, hardness
 from trajforge.llm.workspace import Workspace
@@ -61,6 +62,15 @@ class DemoStep(BaseModel):
     target_role: str | None = None
     target_name: str | None = None
 
+    @field_validator("action_json")
+    @classmethod
+    def _a_json_object(cls, action: str) -> str:
+        """Quality control reads the action's fields (guidance.distill), and loading masks the secrets in them:
+        text that is not a JSON object stops the run when the file is loaded, naming its line and field."""
+        if not isinstance(json.loads(action), dict):  # a JSONDecodeError is a ValueError: pydantic reports it
+            raise ValueError("not a JSON object")
+        return action
+
     @field_validator("ax_tree_before", "ax_tree_after")
     @classmethod
     def _a_rendered_tree(cls, tree: str) -> str:
@@ -94,9 +104,28 @@ def load_demonstrations(path: Path) -> list[dict[str, Any]]:
                  for i, s in enumerate(demo.steps)]
         entries.append({
             "entry_id": f"human:{short_id(path.name, line)}", "query_id": demo.query_id, "origin": "human",
-            "episode_id": None, "instruction": demo.instruction, "steps_json": json.dumps(steps),
+            "episode_id": None, "instruction": secrets.mask(demo.instruction), "steps_json": json.dumps(_masked(steps)),
         })
     return entries
+
+
+def _masked(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A demonstration's steps with every secret set in this process masked, as a rollout's steps are: a person
+    types the password itself where a policy types its placeholder, and what the recorder kept of the page may
+    show it. Whole in any field and in pieces across the same field of the steps (a code typed a digit a step:
+    `secrets.mask_json`, which reads each action's fields), and in each tree in pieces across its nodes' names and
+    across their values, as `envs.browser.Observation` masks a live one."""
+    for step in steps:
+        step["action_json"] = json.loads(step["action_json"])
+        for field in ("ax_tree_before", "ax_tree_after"):
+            nodes = parse(step[field])
+            names, _ = secrets.mask_pieces([n.name for n in nodes])
+            values, _ = secrets.mask_pieces([n.value for n in nodes])
+            step[field] = render(replace(n, name=names[i], value=values[i]) for i, n in enumerate(nodes))
+    masked: list[dict[str, Any]] = secrets.mask_json(steps)
+    for step in masked:
+        step["action_json"] = json.dumps(step["action_json"])
+    return masked
 
 
 def guide(units: list[HardQuery], *, run_id: str, describer: Describer, replay: Replayer | None,

@@ -494,3 +494,22 @@ def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_mas
     assert seen[0] == seen[1] == ["/search?q=<secret>account_password</secret>", "/"]
     assert recorded_url("http://127.0.0.1:8001/cart", "http://127.0.0.1:800") == "http://127.0.0.1:8001/cart"
     assert recorded_url("https://example.org/a?b=1", "http://127.0.0.1:8001") == "https://example.org/a?b=1"
+
+
+@pytest.mark.browser
+def test_a_click_on_a_piece_of_a_secret_names_its_target_masked(
+        pool: EnvPool, server: AppServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A code the page breaks with markup (`481-<b>S3CR3T</b>`): a click on either run of text names its target
+    as the observation shows that text, masked, not the run's own piece, which holds no secret whole. The target's
+    name goes into the step row, and from there into manuals, guidance and the critics' prompts."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_RECOVERY_CODE", "481-S3CR3T")
+    env = pool.envs[0]
+    env.reset("pieces", server.base_url + "/")
+    env.page.evaluate(f"document.body.insertAdjacentHTML('afterbegin', {json.dumps(PIECES)})")
+    seen = env.observe()
+    centre = "sel => { const r = document.querySelector(sel).getBoundingClientRect(); return [r.x + 4, r.y + 4]; }"
+    bold, start = env.element_at(*env.page.evaluate(centre, "b")), env.element_at(*env.page.evaluate(centre, "p"))
+    assert bold is not None and start is not None
+    assert "S3CR3T" not in bold.name and "481-" not in start.name, (bold, start)
+    assert {bold.name, start.name} <= {n.name for n in seen.nodes}  # as the observation names them
+    assert bold.name == "<secret>recovery_code</secret>"
