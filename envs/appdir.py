@@ -81,7 +81,7 @@ from trajforge.envs.apps.interaction import (
 from trajforge.envs.axtree import AXNode, parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, Observation
 from trajforge.envs.spec import AppSpec, SpecError, placeholders, spec_problems, template_problems
-from trajforge.schemas.config import yaml_problem
+from trajforge.schemas.config import read_yaml, yaml_problem
 
 SPEC_FILE = "spec.yaml"
 CHECKERS_FILE = "checkers.py"
@@ -369,10 +369,10 @@ def load_app_dir(path: Path) -> AppDir:
     if not Path(path).is_dir():
         raise SpecError(f"{path}: no such app directory")
     try:
-        raw = yaml.safe_load(file.read_text())
+        raw = read_yaml(file)
     except OSError as exc:
         raise SpecError(f"{file}: cannot read app spec: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise SpecError(f"{file}{yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{file}: an app spec is a mapping, got {type(raw).__name__}")

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Annotated, Any, get_args, get_origin
 
 import click
 import typer
-import yaml
 from pydantic import BaseModel, SecretStr
 from pydantic_core import to_jsonable_python
 from rich.console import Console
@@ -50,6 +49,7 @@ from trajforge.schemas.config import (
     config_path,
     has_path,
     load_settings,
+    read_yaml,
     redact,
 )
 
@@ -693,7 +693,7 @@ def config_show(config: ConfigOpt = None) -> None:
         settings = load_settings(config)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
-    data = (yaml.safe_load(path.read_text()) or {}) if path is not None else {}
+    data = (read_yaml(path) or {}) if path is not None else {}  # read as load_settings read it
     env = {name.upper(): value for name, value in os.environ.items() if name.upper().startswith(ENV_PREFIX)}
     typer.echo(f"# config file: {path if path is not None else 'none'}")
     for line in _setting_lines(settings, (), lambda parts: _source(parts, data, path, env)):
@@ -895,7 +895,7 @@ def apps_init(
 @apps_app.command("check")
 def apps_check(
     directory: Annotated[Path, typer.Argument(help="The app directory (its spec.yaml).")],
-    queries: Annotated[int, typer.Option(help="Page-graph tasks to sample, validate and replay.")] = 20,
+    queries: Annotated[int, typer.Option(help="Page-graph tasks to sample, validate and replay.", min=1)] = 20,
     config: ConfigOpt = None,
 ) -> None:
     """Check an app directory against the live app: its spec, that the app answers, that each sampled task's

@@ -63,26 +63,34 @@ def _asked(settings: Settings) -> list[tuple[str, str]]:
     return [(field if model else "llm.default", model or s.llm.default) for on, field, model in asked if on]
 
 
-def _known(settings: Settings, name: str) -> bool:
-    """Whether the gateway can answer `name` (`Gateway.backend`): 'local', an endpoint, ENDPOINT:MODEL, or a
-    checkpoint folder's absolute path."""
+def _served(settings: Settings, name: str) -> bool:
+    """Whether `name` is 'local', an endpoint or ENDPOINT:MODEL (`Gateway.backend` asks these first)."""
     endpoint, colon, _ = name.partition(":")
-    return (name == "local" or name in settings.llm.endpoints or (bool(colon) and endpoint in settings.llm.endpoints)
-            or os.path.isabs(name))
+    return name == "local" or name in settings.llm.endpoints or (bool(colon) and endpoint in settings.llm.endpoints)
 
 
 def check_models(settings: Settings) -> None:
     """Raise ConfigError unless the models the config asks can answer: the gateway reads every endpoint's key
-    variable when it opens, and the in-process model needs its packages (and checkpoint). Names the variable,
-    never its value."""
+    variable when it opens, and an in-process model ('local', or a checkpoint folder named by its path) needs its
+    packages and checkpoint. Names the variable, never its value."""
     asked = _asked(settings)
     if not asked:
         return
     for field, name in asked:
-        if not _known(settings, name):  # a typo would otherwise surface mid-night, at the stage that asks it
+        if _served(settings, name):
+            continue
+        if not os.path.isabs(name):  # a typo would otherwise surface mid-night, at the stage that asks it
             raise ConfigError(f"{field}: no model named {name!r} (configured: "
                               f"{', '.join(['local', *settings.llm.endpoints])}; or ENDPOINT:MODEL, or a checkpoint "
                               "folder's absolute path)")
+        # A checkpoint folder is served in process, as 'local' is; the gateway would blame llm.local.model for it.
+        reason = missing_models(embedded=False)
+        if reason:
+            raise ConfigError(f"{field}: the in-process model {name} cannot run: {reason}")
+        try:
+            checkpoint(name)
+        except FileNotFoundError:
+            raise ConfigError(f"{field}: {name} is not a transformers checkpoint folder (no config.json)") from None
     for name, endpoint in settings.llm.endpoints.items():
         if endpoint.api_key is None and endpoint.api_key_env and not os.environ.get(endpoint.api_key_env):
             raise ConfigError(

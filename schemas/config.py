@@ -756,10 +756,39 @@ _PARSED_FIELD = re.compile(r'error parsing value for field "(\w+)"')
 """pydantic-settings' SettingsError names the top-level field whose variable it could not parse."""
 
 
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong with a YAML file, in one line to put after its path: `:LINE:COLUMN: not valid YAML: ...`
-    (PyYAML's own message spans several lines with a drawing of the line). Every YAML file a user writes (the
-    config, an app's spec, a prompt) reports its syntax errors through here."""
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one silently, so a
+    config with two `rollout:` sections would lose the first. A key merged in by `<<` may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:  # before `<<` is flattened into the node's own keys
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first[key].line + 1})", key_node.start_mark)
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file a user writes, read as UTF-8 with `UniqueKeyLoader`. Raises OSError, and UnicodeDecodeError or
+    yaml.YAMLError, which `yaml_problem` describes."""
+    return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+
+
+def yaml_problem(exc: yaml.YAMLError | UnicodeDecodeError) -> str:
+    """What is wrong with a YAML file, in one line to put after its path: `:LINE:COLUMN: not valid YAML: ...`, or
+    `not UTF-8` (PyYAML's own message spans several lines with a drawing of the line). Every YAML file a user
+    writes (the config, an app's spec, a prompt) reports its syntax errors through here."""
+    if isinstance(exc, UnicodeDecodeError):  # Python's message names neither the file nor the line
+        before = bytes(exc.object[:exc.start])
+        line, line_start = before.count(b"\n") + 1, before.rfind(b"\n") + 1
+        column = len(before[line_start:].decode("utf-8", errors="replace")) + 1
+        return (f":{line}:{column}: not UTF-8: byte 0x{exc.object[exc.start]:02x} (offset {exc.start}); "
+                "save the file as UTF-8")
     if isinstance(exc, yaml.MarkedYAMLError):
         mark, context = exc.problem_mark or exc.context_mark, exc.context_mark
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
@@ -775,10 +804,10 @@ def load_settings(path: Path | None = None) -> Settings:
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = read_yaml(path) or {}
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}{yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(data).__name__}")

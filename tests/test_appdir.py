@@ -137,6 +137,21 @@ def test_a_lone_brace_in_a_template_is_named_with_its_field(tmp_path: Path) -> N
     assert "pages.note_pinned.goal.instruction: expected '}' before end of string" in str(err.value), str(err.value)
 
 
+def test_a_spec_key_given_twice_or_a_spec_not_in_utf8_is_named_with_its_line(tmp_path: Path) -> None:
+    """A second `reset:` used to replace the first silently; a byte that is not UTF-8 gave Python's
+    UnicodeDecodeError, naming neither the file nor the line."""
+    spec, file = (JOTTER / "spec.yaml").read_text(), tmp_path / "spec.yaml"
+    file.write_text(spec.replace("reset: context\n", "reset: context\nreset: {url: /api/reset}\n"))
+    line = spec[:spec.index("reset: context")].count("\n") + 1
+    with pytest.raises(SpecError) as err:
+        load_app_dir(tmp_path)
+    assert str(err.value) == f"{file}:{line + 1}:1: not valid YAML: duplicate key 'reset' (first at line {line})"
+    file.write_bytes(b"app: x\n# caf\xe9\n")
+    with pytest.raises(SpecError) as err:
+        load_app_dir(tmp_path)
+    assert str(err.value) == f"{file}:2:6: not UTF-8: byte 0xe9 (offset 12); save the file as UTF-8"
+
+
 def test_an_app_dir_may_not_take_a_bundled_apps_name(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="'notes' is the name of the bundled app 'notes'"):
         use_app_dirs([_app_dir(tmp_path, app="notes")])

@@ -114,6 +114,41 @@ def test_preflight_names_a_model_no_endpoint_answers(tmp_path: Path, trajforge_c
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.parametrize(("config", "field"), [
+    ("rollout:\n  policy: gui_owl_e2e\nloop:\n  models: {{0: {path}}}\n", "loop.models.0"),
+    ("rollout:\n  policy: gui_owl_e2e\n  model: {path}\n", "rollout.model"),
+])
+def test_preflight_names_a_checkpoint_folder_that_is_not_one(tmp_path: Path, trajforge_cli: str, config: str,
+                                                             field: str) -> None:
+    """A model named by a folder's path that holds no checkpoint fails before any work, naming its setting (it used
+    to pass, and fail at the rollout after query generation, guidance and references, naming llm.local.model)."""
+    path = tmp_path / "ckpt-typo"
+    (tmp_path / "trajforge.yaml").write_text(config.format(path=path))
+    proc = run(trajforge_cli, tmp_path, "run", "nightly")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == f"error: {field}: {path} is not a transformers checkpoint folder (no config.json)\n"
+    assert not (tmp_path / "data").exists()
+
+
+def test_preflight_takes_a_checkpoint_folder_and_a_path_an_endpoint_serves(tmp_path: Path) -> None:
+    """A folder with a checkpoint's config.json passes where the model packages are installed (and is refused,
+    naming them, where not); ENDPOINT:/path is a model the endpoint's server loads, not a folder here."""
+    from trajforge.flows.preflight import check_models
+    from trajforge.llm.local import missing_models
+    from trajforge.schemas.config import ConfigError, Settings
+
+    def settings(model: str) -> Settings:
+        endpoints = {"vllm": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}}
+        return Settings(rollout={"policy": "gui_owl_e2e", "model": model},
+                        llm={"default": "vllm", "endpoints": endpoints})
+
+    check_models(settings("vllm:/srv/no-such-ckpt"))
+    (tmp_path / "config.json").write_text("{}")
+    refused = pytest.raises(ConfigError, match="rollout.model: the in-process model")
+    with refused if missing_models(embedded=False) else contextlib.nullcontext():
+        check_models(settings(str(tmp_path)))
+
+
 @pytest.mark.parametrize(("demonstrations", "error"), [
     (None, "guidance.demonstrations: cannot read {path}: No such file or directory"),
     ('{"query_id": "q1", "instruction": "Open the cart", "steps": []}\n\n{"query_id": 3}\n',
@@ -134,6 +169,15 @@ def test_preflight_names_a_bad_demonstrations_file_and_line(tmp_path: Path, traj
     assert proc.stderr.startswith(f"error: {error.format(path=path)}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_apps_check_of_no_tasks_is_a_usage_error(tmp_path: Path, trajforge_cli: str) -> None:
+    """`--queries 0` checked nothing and said every sampled task resolves."""
+    app = Path(__file__).parents[1] / "examples" / "apps" / "jotter"
+    proc = run(trajforge_cli, tmp_path, "apps", "check", str(app), "--queries", "0")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert "Invalid value for '--queries': Input should be greater than or equal to 1" in proc.stderr, proc.stderr
 
 
 def test_view_of_an_unknown_run_is_a_usage_error(tmp_path: Path, trajforge_cli: str) -> None:

@@ -120,6 +120,36 @@ def test_malformed_yaml_names_the_line_and_column(tmp_path, text, where):
         load_settings(cfg)
 
 
+@pytest.mark.parametrize(("text", "where"), [
+    ("rollout:\n  samples_per_query: 1\nsynth:\n  writer: template\nrollout:\n  max_fault_retries: 2\n",
+     r"trajforge.yaml:5:1: not valid YAML: duplicate key 'rollout' \(first at line 1\)"),
+    ("rollout:\n  contexts: 2\n  contexts: 3\n",
+     r"trajforge.yaml:3:3: not valid YAML: duplicate key 'contexts' \(first at line 2\)"),
+])
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path, text, where):
+    """PyYAML keeps the last of two keys silently: a second `rollout:` section would drop the first's settings."""
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=where):
+        load_settings(cfg)
+
+
+def test_a_merged_key_may_still_be_overridden(tmp_path):
+    """`<<` merges a mapping's keys to be overridden: no duplicate there."""
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("llm:\n  endpoints:\n    a: &a {base_url: 'http://127.0.0.1:9/v1', model: m}\n"
+                   "    b:\n      <<: *a\n      model: n\n")
+    assert load_settings(cfg).llm.endpoints["b"].model == "n"
+
+
+def test_a_file_not_in_utf8_is_named_with_its_line_and_byte(tmp_path):
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_bytes("rollout:\n  contexts: 2 # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as caught:
+        load_settings(cfg)
+    assert str(caught.value) == f"{cfg}:2:20: not UTF-8: byte 0xe9 (offset 28); save the file as UTF-8"
+
+
 def test_catalog_url_is_a_secret_and_kept_out_of_hashes(tmp_path):
     cfg = tmp_path / "trajforge.yaml"
     cfg.write_text("warehouse:\n  catalog_url: postgresql+psycopg://u:hunter2@db/x\n")
