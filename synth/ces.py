@@ -462,7 +462,7 @@ def ces_summary(stats: dict[str, int]) -> str | None:
 
 STAGE = StageDef[Workspace, TrustedEpisode](
     name="ces",
-    key=lambda u: u.episode_id,
+    key=lambda u: u.unit_key,
     reads="steps",
     writes={t: "append" for t in TABLES},
     sections=("ces", "synth", "llm"),

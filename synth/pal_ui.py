@@ -253,7 +253,7 @@ def pal_ui_summary(stats: dict[str, int]) -> str | None:
 
 STAGE = StageDef[Workspace, TrustedEpisode](
     name="pal_ui",
-    key=lambda u: u.episode_id,
+    key=lambda u: u.unit_key,
     reads="steps",
     writes={"pal_ui_teacher": "append"},
     sections=("pal_ui", "synth", "llm"),

@@ -218,7 +218,7 @@ def _distill(reasoner: _Reasoner, unit: TrustedEpisode, step: Step, roles: list[
 
 STAGE = StageDef[Workspace, TrustedEpisode](
     name="reasoning",
-    key=lambda u: u.episode_id,
+    key=lambda u: u.unit_key,
     reads="steps",
     writes={"reasoning_samples": "append", "train_reasoning": "append"},
     sections=("synth", "llm"),

@@ -51,6 +51,16 @@ class TrustedEpisode:
     changed) on an action that should change something (not a `NO_EFFECT` one): a single such click is NEUTRAL, so
     its episode can be accepted, but it teaches a click on nothing; history only, as in `synth.export`."""
 
+    @property
+    def unit_key(self) -> str:
+        """The stages' unit (`StageDef.key`): the episode and, where its step critiques set steps apart, which ones.
+        An accepted episode judged again with a step now HARMFUL (or no longer) is new work for a stage that did
+        it, its rows replaced (`StageDef.replaces` on the episode); keyed on the episode alone, it kept the rows
+        that taught the step now judged wrong. An episode with no step set apart keeps its plain id."""
+        if not self.harmful and not self.no_change:
+            return self.episode_id
+        return f"{self.episode_id}:{digest(json.dumps([sorted(self.harmful), sorted(self.no_change)]))}"
+
     def imitable(self, index: int) -> bool:
         """Whether step `index` is a target a synthesis stage may teach: a valid action not labelled HARMFUL that
         changed something (or was not meant to)."""

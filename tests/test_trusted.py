@@ -142,3 +142,47 @@ def test_an_episode_the_critics_reject_after_a_stage_used_it_leaves_no_row(tmp_p
         withdrawn = {k: v for k, v in lineage.stats.items() if k.startswith("withdrawn")}
         assert withdrawn == ({} if accepted else {"withdrawn: policy episode not accepted by the critics": 1}), n
         assert lineage.stats["not trusted: policy episode not accepted by the critics"] == (1 if accepted else 2)
+
+
+def test_an_accepted_episode_judged_again_with_a_step_now_harmful_is_done_again_without_it(tmp_path):
+    """A stage of trusted steps (reasoning, pal_ui, ces) taught both steps of an accepted episode; the step critic
+    then calls its first step HARMFUL, the episode still accepted: rerun on the same steps, the stage does the
+    episode again (its key names the steps set apart) and its rows are replaced, the harmful step's gone; judged
+    the same once more, nothing is redone."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    when = datetime(2026, 12, 5, tzinfo=UTC)
+    ws.catalog.commit_rows("episodes", [Episode(
+        run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="gui_owl",
+        model_id="m", prompt_version="1", viewport="mobile", status="terminated", num_steps=2, final_url="u",
+        final_state_json="{}", started_at=when, finished_at=when)], made("episodes"))
+    snapshot = ws.catalog.commit_rows("steps", [_step(0, "click", {"x": 5, "y": 9}),
+                                                _step(1, "terminate", {"status": "success"})], made("steps"))
+    ws.catalog.commit_rows("verdicts", [Verdict(
+        run_id="critics", verdict_id="e:v", episode_id="e", query_id="q", success=True, consensus="c",
+        channels_json="{}", reason="", config_hash="x")], made("verdicts", "critics"))
+
+    def teach(units: list[TrustedEpisode], ws: Workspace, run_id: str, _: str) -> StageOutput:
+        return StageOutput(rows={"train_e2e": [TrainingStep(
+            run_id=run_id, sample_id=f"{run_id}:{s.step_id}", step_id=s.step_id, episode_id=u.episode_id,
+            query_id=u.query_id, label="GOOD", messages_json="[]", images=[], tag="t")
+            for u in units for i, s in enumerate(u.steps) if u.imitable(i)]})
+
+    stage = StageDef[Workspace, TrustedEpisode](
+        name="trusted-demo", key=lambda u: u.unit_key, reads="steps", writes={"train_e2e": "append"},
+        sections=("synth",), once=True, replaces=("episode_id", lambda u: u.episode_id), load=load_trusted,
+        run=teach, shard_size=lambda s: 50)
+    for n, labels in enumerate((None, "HARMFUL", "HARMFUL")):
+        if labels is not None:
+            ws.catalog.commit_rows("step_critiques", [StepCritique(
+                run_id=f"critics{n}", critique_id=f"e:0:{n}", step_id="e:0", episode_id="e", critic="c",
+                model_id="m", prompt_version="1", analysis="", summary="", label=labels, raw_output="", flags=[])],
+                made(f"critiques{n}", f"critics{n}"))
+        run = ws.ledger.open_run("test", f"judged {n}").run_id
+        lineage = ws.catalog.lineage("train_e2e", run_inline(stage, ws, run, snapshot)["train_e2e"])
+        rows = ws.catalog.load("train_e2e")
+        assert sorted(rows["step_id"]) == (["e:0", "e:1"] if n == 0 else ["e:1"]), n
+        assert ("already done by an earlier run with this configuration" in lineage.stats) == (n == 2), n
+    from trajforge.synth import ces, pal_ui, reasoning
+    judged = load_trusted(ws, snapshot).units[0]
+    assert judged.unit_key != "e" and {s.key(judged) for s in (reasoning.STAGE, pal_ui.STAGE, ces.STAGE)} == {
+        judged.unit_key}
