@@ -33,7 +33,8 @@ fails that test while it is drawn right where the tree says: it is kept when the
 its block read its name (detector `ocr-name`), with the text's extent as its box, so its point is on
 the text and not on the empty end of its block.
 
-Screens already grounded by an earlier run with the same configuration are skipped, so a
+Screens already grounded by an earlier run with the same configuration (the stage's prompts as
+their files read, the code version and the OCR engine included) are skipped, so a
 rerun with nothing new asks no model and reads no new OCR; a screen grounded again with another
 configuration replaces its earlier rows in both tables (`StageDef.replaces`). Coordinates follow `synth.chat`.
 """
@@ -54,10 +55,10 @@ from trajforge.envs import actions
 from trajforge.envs.axtree import AXNode, parse
 from trajforge.llm import GatewayError, ImagePart, load_prompt
 from trajforge.llm.ocr import OcrLine, OcrSpan
-from trajforge.llm.workspace import Workspace
+from trajforge.llm.workspace import Workspace, code_version
 from trajforge.rollout.gui_owl import FUNCTIONS, to_call
 from trajforge.schemas.config import SynthSettings
-from trajforge.schemas.ids import short_id
+from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import GroundingChat, GroundingSample
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput, config_hash
 from trajforge.synth.chat import centre, chat_sample
@@ -495,10 +496,12 @@ def ground(screens: list[Screen], ws: Workspace, run_id: str, _: str) -> StageOu
 
 
 def prompt_fingerprint(ws: Workspace) -> str:
-    """What the rows depend on beyond the config: the prompts' versions and the OCR engine. A new version is new
-    work: the screens are grounded again (the OCR cache still answers)."""
-    versions = ",".join(f"{name}@{load_prompt(name, PROMPTS).version}" for name in (REPHRASE, DESCRIBE, REGION))
-    return f"{versions},{ws.ocr.series(ws.settings.synth.ocr_incremental).engine_id}"
+    """What the rows depend on beyond the config: the stage's prompts (each by version and by a digest of its file,
+    so an edit that does not bump `version:` counts too), the code version and the OCR engine. Any of them changed
+    is new work: the screens are grounded again (the OCR and response caches still answer what did not change)."""
+    prompts = [load_prompt(name, PROMPTS) for name in (REPHRASE, DESCRIBE, REGION)]
+    versions = ",".join(f"{p.name}@{p.version}:{digest(p.path.read_bytes(), 12)}" for p in prompts)
+    return f"{versions},code={code_version()},{ws.ocr.series(ws.settings.synth.ocr_incremental).engine_id}"
 
 
 def _grounded_before(ws: Workspace, this_config: str) -> set[str]:
@@ -517,9 +520,11 @@ def _grounded_before(ws: Workspace, this_config: str) -> set[str]:
 
 def load_screens(ws: Workspace, snapshot: int | None) -> Inputs[Screen]:
     """The distinct screens of the steps a run wrote (before each step, and after each episode's last), and of
-    the pages query generation saw on the live apps (`pages@latest`, its current set)."""
+    the pages query generation saw on the live apps (`pages@latest`, its current set). Their episodes' app and
+    viewport come from `episodes@latest`, read at the version named in the lineage."""
     steps, snapshot = ws.catalog.rows_added("steps", snapshot)
-    episodes = (ws.catalog.scan("episodes").select("episode_id", "app", "viewport")
+    read = ws.catalog.latest_versions("episodes")
+    episodes = (ws.catalog.scan("episodes", read.get("episodes")).select("episode_id", "app", "viewport")
                 .filter(pl.col("episode_id").is_in(steps["episode_id"].unique().to_list())).collect())
     about = {r["episode_id"]: (r["app"], r["viewport"]) for r in episodes.to_dicts()}
     screens: dict[str, Screen] = {}
@@ -532,7 +537,7 @@ def load_screens(ws: Workspace, snapshot: int | None) -> Inputs[Screen]:
         for sha, url, title, tree in shots:
             if sha not in screens:
                 screens[sha] = Screen(sha, s["width"], s["height"], app, url, title, s["step_id"], viewport, tree)
-    snapshots = {"steps": snapshot}
+    snapshots = {"steps": snapshot} | read
     if "pages" in ws.catalog.tables():
         pages, pages_snapshot = ws.catalog.latest("pages")
         if pages_snapshot is not None:

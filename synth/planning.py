@@ -10,12 +10,14 @@ Per app (one unit of work):
   manual; an answer that does not parse keeps the template manual below (`mode: fallback`,
   counted), since the trajectories teach even when the model cannot write. Its value is
   measured: `synth.manual_trials` of the family's queries are rolled out again with the
-  configured policy and the manual as guidance, and the row keeps their success rate before
-  (the query history) and with it. Trials run for the first `synth.measured_manuals_per_app`
-  families of an app (each is a policy episode); their
-  episodes are not written to `episodes` (their ids are on the manual row). A manual
-  whose family, trajectories, configuration and prompt versions are unchanged is not written
-  again, unless it is the template fallback: then the next run asks the model again.
+  night's policy (the rollout's settings, its model the loop iteration's) and the manual as
+  guidance, and the row keeps their success rate before (the query history) and with it.
+  Trials run for the first `synth.measured_manuals_per_app` families of an app (each is a
+  policy episode); their episodes are not written to `episodes` (their ids are on the manual
+  row; the policy's model and prompt versions are in the lineage). A manual whose family,
+  trajectories, configuration and prompts (as their files read) are unchanged
+  is not written again, unless it is the template fallback: then the next run asks the model
+  again.
 - **Plans.** The model plans `synth.plans_per_app` walks over the app's pages and names the
   complex task each does: from the start page along the page graph's transitions, each step
   names its page and the element (of the transition to the next step's page) used there; the
@@ -54,15 +56,16 @@ from trajforge.envs.operations import parse_operations
 from trajforge.envs.spec import AppSpec, Transition, placeholders
 from trajforge.llm import GatewayError, Sampling, TextPart, load_prompt
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.stage import rollout
-from trajforge.schemas.ids import short_id
+from trajforge.rollout.stage import night_settings, rollout
+from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import Manual, Plan, PlanningChat, Query, Step, steps_by_episode
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput, config_hash
 from trajforge.synth.chat import chat_sample
 
 PROMPTS = Path(__file__).parent / "prompts"
 MANUAL, PLAN = "planning_manual", "planning_plan"
-SECTIONS = ("synth", "rollout", "llm")
+SECTIONS = ("synth", "rollout", "loop", "llm")
+"""`loop` as well as `rollout`: the manuals' trials roll out with the night's policy model (`night_settings`)."""
 MAX_TRAJECTORIES = 3
 """Successful trajectories shown per manual: enough to tell the route from the detours, short enough
 for a small model."""
@@ -117,10 +120,10 @@ class AppPlanning:
     history: dict[str, tuple[int, int]]
     """query id -> (attempts, successes) so far."""
     written: frozenset[str]
-    """Manual and plan ids already in the warehouse (same inputs, configuration and prompt versions; a manual the
+    """Manual and plan ids already in the warehouse (same inputs, configuration and prompts; a manual the
     model could not write, only once it has): not written again."""
     config: str
-    """The config hash, with the prompts' versions (`prompt_fingerprint`): part of every manual and plan id."""
+    """The config hash, with the prompts (`prompt_fingerprint`): part of every manual and plan id."""
     fallback: frozenset[str] = frozenset()
     """Manual ids written as the template because the model's answer was unusable: asked again, and written again
     only when the model's manual is usable now (an unusable answer is cached, so it would be the same row)."""
@@ -374,6 +377,9 @@ class _Planner:
         self.ws, self.out = ws, out
         self.cfg = ws.settings.synth
         self.prompts = {name: load_prompt(name, PROMPTS) for name in (MANUAL, PLAN)}
+        # The trials roll out as the night's rollout does (its model the loop iteration's): `success_with` is then
+        # measured by the policy whose attempts gave `success_before`.
+        self.rollout = night_settings(ws)
 
     def ask(self, template: str, schema: type[BaseModel], /, json_schema: dict[str, Any] | None = None,
             sampling: Sampling | None = None, **variables: Any) -> tuple[BaseModel | None, str, str | None]:
@@ -393,11 +399,14 @@ class _Planner:
         return result.parsed, result.record.model_id, None
 
     def trial(self, queries: list[Query], manual_id: str, text: str, run_id: str) -> tuple[float | None, list[str]]:
-        """The queries rolled out with the manual as guidance: their success rate and the episode ids."""
+        """The queries rolled out with the manual as guidance: their success rate and the episode ids. The policy,
+        its model and its prompt versions go into the stage's lineage (as the rollout's name them)."""
         if not queries:
             return None, []
-        out = rollout(queries, run_id=f"{run_id}-{manual_id}", settings=self.ws.settings.rollout, blobs=self.ws.blobs,
+        out = rollout(queries, run_id=f"{run_id}-{manual_id}", settings=self.rollout, blobs=self.ws.blobs,
                       gateway=self.ws.gateway, guidance={q.query_id: (manual_id, text) for q in queries})
+        self.out.models.update(out.models)
+        self.out.prompts.update(out.prompts)
         by_id = {q.query_id: q for q in queries}
         outcomes = []
         for episode in out.rows["episodes"]:
@@ -519,15 +528,20 @@ def _accepted(ws: Workspace, verdicts: int | None) -> set[str]:
 
 
 def prompt_fingerprint() -> str:
-    """What the rows depend on beyond the config: the prompts' versions. It is part of the manual and plan ids, so
-    an edited prompt is new work: every manual and plan is asked again."""
-    return ",".join(f"{name}@{load_prompt(name, PROMPTS).version}" for name in (MANUAL, PLAN))
+    """What the rows depend on beyond the config: the stage's prompts, each by version and by a digest of its file,
+    so an edit that does not bump `version:` counts too. It is part of the manual and plan ids, so an edited prompt
+    is new work: every manual and plan is asked again. Not the code version, as grounding's is: planning replaces
+    no earlier row (its unit, an app, writes nothing on a night with nothing new), so every commit of the code
+    would add each family's manual and plans again beside the last ones."""
+    prompts = [load_prompt(name, PROMPTS) for name in (MANUAL, PLAN)]
+    return ",".join(f"{p.name}@{p.version}:{digest(p.path.read_bytes(), 12)}" for p in prompts)
 
 
 def _written(ws: Workspace) -> tuple[frozenset[str], frozenset[str]]:
     """The manual and plan ids already in the warehouse, which are not written again, and apart from them the
     manuals kept as the template because the model's answer was unusable (`mode: fallback`), which a later run
-    asks the model for again."""
+    asks the model for again. Read at their latest and not named in the lineage's inputs: they are the stage's own
+    output, and a version naming its own table's earlier one would keep every earlier one from expiring."""
     ids: set[str] = set()
     fallback: set[str] = set()
     if "manuals" in ws.catalog.tables():

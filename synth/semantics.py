@@ -251,15 +251,17 @@ def semantics(units: list[EpisodeSteps], ws: Workspace, run_id: str, _: str) -> 
 
 
 def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeSteps]:
-    """The episodes of the steps a run wrote, each with its steps in order."""
+    """The episodes of the steps a run wrote, each with its steps in order, its viewport and instruction from
+    `episodes@latest` read at the version named in the lineage."""
     steps, snapshot = ws.catalog.rows_added("steps", snapshot)
-    episodes = (ws.catalog.scan("episodes").select("episode_id", "viewport", "instruction")
+    read = ws.catalog.latest_versions("episodes")
+    episodes = (ws.catalog.scan("episodes", read.get("episodes")).select("episode_id", "viewport", "instruction")
                 .filter(pl.col("episode_id").is_in(steps["episode_id"].unique().to_list())).collect())
     about = {r["episode_id"]: r for r in episodes.to_dicts()}
     by_episode = steps_by_episode(steps.to_dicts())
     units = [EpisodeSteps(eid, about.get(eid, {}).get("viewport", "mobile"), about.get(eid, {}).get("instruction", ""),
                           st) for eid, st in by_episode.items()]
-    return Inputs(units=units, snapshots={"steps": snapshot})
+    return Inputs(units=units, snapshots={"steps": snapshot} | read)
 
 
 STAGE = StageDef[Workspace, EpisodeSteps](

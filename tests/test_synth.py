@@ -903,6 +903,86 @@ def test_reasoning_done_again_with_another_configuration_replaces_the_episodes_r
     assert {r["episode_id"] for r in ws.catalog.load("train_reasoning", out["train_reasoning"]).to_dicts()} <= set(
         ws.catalog.load("steps", snapshots["steps"])["episode_id"])
 
+
+def _reworded(folder: Path, name: str, tmp_path: Path) -> Path:
+    """A copy of the prompts `folder` with `name`'s wording changed and its `version:` left as it was."""
+    prompts = tmp_path / "prompts"
+    shutil.copytree(folder, prompts)
+    edited = prompts / f"{name}.yaml"
+    edited.write_text(edited.read_text().replace("content: |\n", "content: |\n      Be brief.\n", 1))
+    return prompts
+
+
+def test_a_reworded_grounding_prompt_or_a_new_code_version_grounds_the_screens_again(recorded, grounded, model,
+                                                                                      tmp_path, monkeypatch):
+    """"Already grounded with this configuration" holds the stage's prompts as their files read and the code
+    version: a prompt edited without a new `version:`, or a code fix, is new work, not every screen skipped."""
+    root, _, snapshots = recorded
+    ws = workspace(root, model.url)
+    already = "screens already grounded with this configuration by an earlier run"
+    assert grounding.load_screens(ws, snapshots["steps"]).stats[already] > 0
+    with monkeypatch.context() as patch:
+        patch.setattr(grounding, "PROMPTS", _reworded(grounding.PROMPTS, grounding.REPHRASE, tmp_path))
+        assert grounding.load_screens(ws, snapshots["steps"]).stats[already] == 0
+    monkeypatch.setattr(grounding, "code_version", lambda: "0.0+gfixed")
+    assert grounding.load_screens(ws, snapshots["steps"]).stats[already] == 0
+
+
+def test_grounding_and_semantics_name_the_episodes_version_they_read(recorded, grounded, model):
+    """Each screen's app and viewport, each episode's viewport and instruction, come from `episodes`: the version
+    read is the one the lineage names."""
+    root, _, snapshots = recorded
+    ws, out = grounded
+    _, episodes = ws.catalog.resolve("episodes@latest")
+    assert ws.catalog.lineage("grounding", out["grounding"]).inputs["episodes"] == episodes
+    assert semantics.load_episodes(workspace(root, model.url), snapshots["steps"]).snapshots == {
+        "steps": snapshots["steps"], "episodes": episodes}
+
+
+def test_a_reworded_planning_prompt_is_new_work_and_a_new_code_version_is_not(recorded, model, tmp_path,
+                                                                             monkeypatch):
+    """The manual and plan ids hold the stage's prompts as their files read: a manual prompt edited without a new
+    `version:` makes every manual new work. A code version does not: planning replaces no earlier row, so each
+    commit would add every manual and plan again beside the last."""
+    root, _, _ = recorded
+    ws = workspace(root, model.url)
+    _, episodes = ws.catalog.resolve("episodes@latest")
+
+    def config() -> str:
+        return planning.load_apps(ws, episodes).units[0].config
+
+    before = config()
+    with monkeypatch.context() as patch:
+        patch.setattr(planning, "PROMPTS", _reworded(planning.PROMPTS, planning.MANUAL, tmp_path))
+        assert config() != before
+    monkeypatch.setattr(planning, "code_version", lambda: "0.0+gfixed", raising=False)  # as the code would see it
+    assert config() == before
+
+
+def test_a_manuals_trial_rolls_out_with_the_nights_policy_model_and_names_it(recorded, model, monkeypatch):
+    """The trial that gives `success_with` runs as the night's rollout does, with the loop iteration's model
+    (`loop.models`) that gave `success_before`; the lineage names its policy, model and prompt versions."""
+    root, _, _ = recorded
+    synth = {"manual_trials": 1, "plans_per_app": 0}
+    ws = notes_workspace(root, model.url, synth=synth, loop={"models": {0: "m"}})
+    _, episodes = ws.catalog.resolve("episodes@latest")
+    assert planning.load_apps(ws, episodes).units[0].config != planning.load_apps(  # the loop decides the trials
+        notes_workspace(root, model.url, synth=synth), episodes).units[0].config
+    asked: list[str | None] = []
+
+    def trial(queries: list[Query], *, settings: Any, **_: Any) -> Any:
+        asked.append(settings.model)
+        return planning.StageOutput(rows={"episodes": [], "steps": []}, prompts={"gui_owl_e2e": "3"},
+                                    models={"policy": "gui_owl", "policy_model": "trained-iteration-0"})
+
+    monkeypatch.setattr(planning, "rollout", trial)
+    units = [dataclasses.replace(u, written=frozenset()) for u in planning.load_apps(ws, episodes).units]
+    out = planning.plan_app(units, ws, ws.ledger.open_run("test", "manual-trial-model").run_id, "")
+    assert asked and set(asked) == {"m"}
+    assert out.models["policy_model"] == "trained-iteration-0" and out.prompts["gui_owl_e2e"] == "3"
+    assert out.models[planning.MANUAL] and out.prompts[planning.MANUAL]
+
+
 def test_grounding_a_screen_again_with_another_configuration_replaces_its_rows(recorded, grounded, model):
     """A new tau_g (or model, or prompt) grounds every screen again: its earlier rows leave both tables in the
     commit that adds its new ones, so `grounding@latest` holds each annotation once and `train_grounding@latest`
