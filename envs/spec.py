@@ -20,7 +20,7 @@ import networkx as nx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trajforge.schemas.config import yaml_problem
+from trajforge.schemas.config import read_yaml, yaml_problem
 
 
 class SpecError(ValueError):
@@ -192,10 +192,10 @@ def spec_problems(spec: AppSpec) -> list[str]:
 def load_spec(path: Path) -> AppSpec:
     """Read and validate an app spec; every problem is reported with the file and field."""
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = read_yaml(path)
     except OSError as exc:
         raise SpecError(f"{path}: cannot read app spec: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}{yaml_problem(exc)}") from None
     try:
         spec = AppSpec.model_validate(raw)

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trajforge.llm.calls import Sampling
 from trajforge.llm.messages import ImagePart, Message, TextPart
-from trajforge.schemas.config import yaml_problem
+from trajforge.schemas.config import read_yaml, yaml_problem
 from trajforge.schemas.ids import digest
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
@@ -130,10 +130,10 @@ def load_prompt(name: str, folder: Path = PROMPTS_DIR) -> Prompt:
     """The template `folder/<name>.yaml`, checked whole: a bad template fails before any call."""
     path = Path(folder) / f"{name}.yaml"
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
     except OSError as exc:
         raise PromptError(f"{path}: cannot read prompt {name!r}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise PromptError(f"{path}{yaml_problem(exc)}") from None
     try:
         spec = _PromptFile.model_validate(data)

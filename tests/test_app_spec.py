@@ -143,3 +143,10 @@ def test_a_task_takes_no_path_that_does_more_than_its_instruction_asks():
     shared = [t for t in tasks if t.path[-1] in ("share_dialog", "shared")]
     assert shared and all("text_saved" not in t.path and "text" not in dict(t.slots) for t in shared)
     assert any(t.path[-1] == "text_saved" for t in tasks)  # the text's own goal is still asked for
+
+
+def test_a_bundled_style_spec_with_a_key_twice_names_file_and_line(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(SPEC) + "app: again\n")
+    with pytest.raises(SpecError, match=r"spec.yaml:\d+:1: .*duplicate key 'app'"):
+        load_spec(path)

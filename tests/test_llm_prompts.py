@@ -176,3 +176,14 @@ def test_cache_key_changes_with_everything_that_decides_an_answer(judge):
     ]
     for change in changed:
         assert cache_key(**{**base, **change}) != key, change
+
+
+def test_a_template_with_a_key_twice_or_not_in_utf8_names_file_and_line(tmp_path):
+    """As the config and an app's spec: PyYAML would keep the second `messages` silently."""
+    (tmp_path / "twice.yaml").write_text("version: 1\nmessages:\n  - {role: user, content: a}\n"
+                                         "messages:\n  - {role: user, content: b}\n")
+    with pytest.raises(PromptError, match=r"twice.yaml:4:1: .*duplicate key 'messages' \(first at line 2\)"):
+        load_prompt("twice", tmp_path)
+    (tmp_path / "latin.yaml").write_bytes(b"version: 1\nmessages:\n  - {role: user, content: caf\xe9}\n")
+    with pytest.raises(PromptError, match=r"latin.yaml:3:.*not UTF-8"):
+        load_prompt("latin", tmp_path)
