@@ -241,11 +241,13 @@ class Observation:
         masked = secrets.mask(tree)
         if pieces or masked != tree:  # rare: only then is each node's text looked at
             object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes(pieces)))
+            if self.focused is not None:  # its name as its node's, where a piece of a secret was masked there
+                pieced = {n.name: names[i] for i, n in enumerate(self.nodes) if i in named}
+                name = pieced.get(self.focused.name, self.focused.name)
+                object.__setattr__(self, "focused", replace(self.focused, name=secrets.mask(name)))
             nodes = tuple(replace(n, name=secrets.mask(names[i]), value=secrets.mask(values[i]))
                           for i, n in enumerate(self.nodes))
             object.__setattr__(self, "nodes", nodes)
-            if self.focused is not None:
-                object.__setattr__(self, "focused", replace(self.focused, name=secrets.mask(self.focused.name)))
             masked = secrets.mask(render(self.nodes))
         object.__setattr__(self, "ax_tree", masked)
 

@@ -206,3 +206,21 @@ def test_a_secret_inside_another_is_masked_whole_in_either_order(monkeypatch) ->
         for name, value in (first, second):  # the environment lists them in the order they were set
             monkeypatch.setenv(f"TRAJFORGE_SECRET_{name}", value)
         assert secrets.mask("card 48213377, pin 4821") == "card <secret>card_code</secret>, pin <secret>pin</secret>"
+
+
+def test_a_focused_field_named_by_a_piece_of_a_secret_is_named_masked(monkeypatch) -> None:
+    """The focused element is a `type` or `key` step's target: named by a piece of a secret the page splits (a
+    code whose second half labels a field), its name is masked as its node's is, not left as the piece."""
+    import io
+
+    from PIL import Image
+
+    monkeypatch.setenv("TRAJFORGE_SECRET_ONE_TIME_CODE", "481-S3CR3T")
+    white = io.BytesIO()
+    Image.new("RGB", (100, 60), "white").save(white, format="PNG")
+    field = Element("textbox", "S3CR3T", (10, 30, 80, 20))
+    obs = Observation(white.getvalue(), 100, 60, "/", "Account", (
+        AXNode(0, "RootWebArea", "Account"), AXNode(1, "text", "481-", box=(10, 10, 20, 10)),
+        AXNode(1, "textbox", "S3CR3T", box=(10, 30, 80, 20))), field)
+    assert obs.focused is not None and "S3CR3T" not in obs.focused.name
+    assert obs.focused.name == obs.nodes[2].name
