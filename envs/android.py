@@ -125,6 +125,8 @@ class AndroidEnv:
         self.packages = packages or {}
         self.probes = probes or {}
         self._nodes: list[UINode] = []
+        self._masked: dict[str, str] = {}
+        """The last observation's node names that it masked, as it shows them (`element_at`)."""
         self._size: tuple[int, int] | None = None
 
     def _run(self, *args: str, binary: bool = False) -> Any:
@@ -175,7 +177,13 @@ class AndroidEnv:
         self._nodes = parse_hierarchy(self._run("shell", "cat", _DUMP))
         activity = self.current_activity()
         focused = next((Element(n.role, n.name, n.box) for n in self._nodes if "focused" in n.states), None)
-        return Observation(png, width, height, activity, activity.split("/")[0], ax_nodes(self._nodes), focused)
+        shown = ax_nodes(self._nodes)
+        obs = Observation(png, width, height, activity, activity.split("/")[0], shown, focused)
+        # Each name as the observation shows it, where that differs (a secret split across nodes is masked piece
+        # by piece there, which no name alone shows): `element_at` names a target as the observation does.
+        self._masked = {} if obs.nodes is shown else {
+            n.name: m.name for n, m in zip(shown, obs.nodes, strict=True) if n.name != m.name}
+        return obs
 
     @property
     def url(self) -> str:
@@ -228,7 +236,7 @@ class AndroidEnv:
         if not hits:
             return None
         n = min(hits, key=lambda n: n.box[2] * n.box[3])
-        return Element(n.role, secrets.mask(n.name), n.box)  # masked, as the observation's names are
+        return Element(n.role, secrets.mask(self._masked.get(n.name, n.name)), n.box)  # as the observation names it
 
     def app_state(self) -> dict[str, Any]:
         """The foreground activity and every probe's output: what a task checker reads."""

@@ -57,6 +57,17 @@ def test_element_at_resolves_the_smallest_node(device):
     assert env.element_at(700, 170) is None
 
 
+def test_element_at_names_a_piece_of_a_secret_masked_as_the_observation_does(device, monkeypatch):
+    """A secret the screen splits across nodes ("Display" ending one, "Dark theme" starting the next) is masked
+    piece by piece in the observation; the step's target names the node as the observation shows it."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_CODE", "DisplayDark")
+    env, _ = device
+    obs = env.observe()
+    target = env.element_at(600, 530)
+    assert target.role == "switch" and "Dark" not in target.name
+    assert target.name in {n.name for n in obs.nodes}
+
+
 @pytest.mark.parametrize(
     ("action", "command"),
     [
