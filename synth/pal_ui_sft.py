@@ -205,9 +205,12 @@ def pal_ui_sft_summary(stats: dict[str, int]) -> str | None:
 
 
 def load_passes(ws: Workspace, snapshot: int | None) -> Inputs[PalUITeacher]:
-    """The kept passes of the run that wrote this version of `pal_ui_teacher`; the others counted by reason."""
+    """The kept passes of the run that wrote this version of `pal_ui_teacher`; the others counted by reason. The
+    episodes whose passes that version took out and wrote none again (`pal_ui` withdrew them: the critics have
+    since rejected the episode) are withdrawn here too, so their chat samples go with their passes."""
     rows, snapshot = ws.catalog.rows_added("pal_ui_teacher", snapshot)
-    inputs = Inputs[PalUITeacher](units=[], snapshots={"pal_ui_teacher": snapshot})
+    inputs = Inputs[PalUITeacher](units=[], snapshots={"pal_ui_teacher": snapshot},
+                                  withdrawn=dict.fromkeys(_taken_out(ws, snapshot), "its teacher passes withdrawn"))
     if rows.height == 0:
         inputs.stats["pal_ui_teacher version without a teacher pass"] += 1
     for record in rows.to_dicts():
@@ -219,6 +222,20 @@ def load_passes(ws: Workspace, snapshot: int | None) -> Inputs[PalUITeacher]:
         else:
             inputs.stats[f"teacher pass not kept: {reason_kind(row.match_reason)}"] += 1
     return inputs
+
+
+def _taken_out(ws: Workspace, snapshot: int) -> set[str]:
+    """The episodes the version of `pal_ui_teacher` before `snapshot` (the one before it still held, after `datasets
+    expire`) holds passes of and `snapshot` holds none of."""
+    versions = [info.snapshot_id for info in ws.catalog.history("pal_ui_teacher")]
+    at = versions.index(snapshot)
+    if at == 0:
+        return set()
+
+    def episodes(version: int) -> set[str]:
+        return set(ws.catalog.scan("pal_ui_teacher", version).select("episode_id").unique().collect()["episode_id"])
+
+    return episodes(versions[at - 1]) - episodes(snapshot)
 
 
 STAGE = StageDef[Workspace, PalUITeacher](

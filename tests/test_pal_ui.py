@@ -18,6 +18,7 @@ from scripted import ScriptedServer, completion, message_parts, message_text, no
 from starlette.requests import Request
 from starlette.responses import Response
 
+from trajforge.data.catalog import Lineage, Withdrawal, commit_key
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
@@ -352,3 +353,23 @@ def test_passes_and_their_balance_done_again_replace_the_earlier_rows(recorded, 
     assert len({c["step_id"] for c in chats}) == len(chats) and not {runs[0], runs[1]} & {c["run_id"] for c in chats}
     assert sorted(c["source_id"] for c in chats if c["run_id"] == runs[2]) == sorted(
         p["sample_id"] for p in passes if p["kept"])
+
+
+def test_an_episode_whose_passes_pal_ui_withdrew_loses_its_chat_samples(recorded, model):
+    """pal_ui takes an episode's passes out and writes none again (the critics have since rejected it: `load_trusted`
+    withdraws it): pal_ui_sft run on that version takes the episode's chat samples out too, counted."""
+    root, snapshots = recorded
+    model.retrieve, model.wrong, model.wrong_first, model.blank = 0, False, 0, False
+    ws = workspace(root, model.url, cache=False, min_step=1, retrieval_share=0.3)
+    run = ws.ledger.open_run("test", "before the withdrawal").run_id
+    teacher = run_inline(pal_ui.STAGE, ws, run, snapshots["steps"])["pal_ui_teacher"]
+    run_inline(pal_ui_sft.STAGE, ws, run, teacher)
+    held = set(ws.catalog.load("pal_ui_sft")["episode_id"])
+    gone = sorted(held)[0]
+    later = ws.ledger.open_run("test", "withdrawing").run_id  # pal_ui's commit of a run that only withdrew
+    version = ws.catalog.commit_files("pal_ui_teacher", [], Lineage(
+        stage="pal_ui", run_id=later, commit_key=commit_key(later, "pal_ui", "pal_ui_teacher"), config_hash="x",
+        code_version="x"), "append", Withdrawal("episode_id", frozenset({gone})))
+    sft = run_inline(pal_ui_sft.STAGE, ws, later, version)["pal_ui_sft"]
+    assert set(ws.catalog.load("pal_ui_sft")["episode_id"]) == held - {gone}
+    assert ws.catalog.lineage("pal_ui_sft", sft).stats["withdrawn: its teacher passes withdrawn"] == 1
