@@ -50,11 +50,13 @@ def find_project(start: Path | None = None) -> tuple[Path, Path | None]:
 
 
 def open_catalog(config: Path | str | None = None) -> Catalog:
-    """The catalog of the project (`find_project`; trajforge.yaml and TRAJFORGE_* apply), its warehouse path
-    taken relative to the project's folder. Opening only reads: where the warehouse does not exist it is an error
-    naming the path, not a new empty warehouse (whose "0 tables" would fail cells further down)."""
+    """The catalog of the project (`find_project`; trajforge.yaml and TRAJFORGE_* apply). Its warehouse path, as
+    the CLI takes it: one the config file gives is relative to the file's folder (`load_settings`); the default,
+    or one a variable gives, relative to the project's folder, where the CLI runs (not the kernel's `notebooks/`).
+    Opening only reads: where the warehouse does not exist it is an error naming the path, not a new empty
+    warehouse (whose "0 tables" would fail cells further down)."""
     root, path = (Path(config).resolve().parent, Path(config)) if config else find_project()
-    wh = load_settings(path).warehouse
+    wh = load_settings(path.resolve() if path is not None else None).warehouse  # the file's paths made absolute
     wh = wh.model_copy(update={"path": root / wh.path.expanduser()})  # an absolute path stays as it is
     if wh.catalog_url is None and not (wh.path / CATALOG_FILE).is_file():
         where = f"warehouse.path of {path}" if path is not None else (
@@ -71,17 +73,18 @@ def blob_store(catalog: Catalog) -> BlobStore:
 
 
 def versions(catalog: Catalog) -> pl.DataFrame:
-    """Every version of every table, oldest first per table: what a notebook lists before choosing one."""
+    """Every version of every table, oldest first per table: what a notebook lists before choosing one. `tags` is
+    a list: a version may carry a user's tag beside its night's (`nightly-...`), and either is a ref by itself."""
     rows = [
         {"table": table, "snapshot_id": i.snapshot_id, "committed_at": i.committed_at, "stage": i.stage,
          "run_id": i.run_id, "added_rows": i.added_rows, "removed_rows": i.removed_rows, "total_rows": i.total_rows,
-         "tags": ", ".join(i.tags)}
+         "tags": i.tags}
         for table in catalog.tables() for i in catalog.history(table)
     ]
     return pl.DataFrame(rows, schema={
         "table": pl.String, "snapshot_id": pl.Int64, "committed_at": pl.Datetime("us", "UTC"), "stage": pl.String,
         "run_id": pl.String, "added_rows": pl.Int64, "removed_rows": pl.Int64, "total_rows": pl.Int64,
-        "tags": pl.String})
+        "tags": pl.List(pl.String)})
 
 
 def night_labels(catalog: Catalog, table: str) -> dict[str, str]:

@@ -141,9 +141,21 @@ def _shown_url(url: str) -> str:
 
 
 def _open(config: Path | None, models: bool = False) -> tuple[Settings, Workspace]:
-    """The settings and workspace of a command; `models` also checks the models a run asks (preflight). Opening
-    creates the warehouse where there is none (a run's first commit needs it)."""
+    """The settings and workspace of a command that runs nights (`run`, `deploy`, `serve`); `models` also checks
+    the models a run asks (preflight). Opening creates the warehouse where there is none (a run's first commit
+    needs it)."""
     settings = _settings(config, models)
+    return settings, _workspace(settings)
+
+
+def _open_existing(config: Path | None) -> tuple[Settings, Workspace]:
+    """The settings and workspace of a command that reads (or tags, expires) what nights wrote. Where no night
+    made the warehouse it is a usage error naming the folder, and nothing is created: an empty warehouse in the
+    current folder would be the one `open_catalog()` in a notebook below it finds, before the project's."""
+    settings = _settings(config)
+    if (missing := _no_warehouse(settings)) is not None:
+        raise _fail(f"no warehouse at {missing} (warehouse.path): no night has run with this config; run "
+                    "`trajforge run nightly`, or give the project's config with --config or TRAJFORGE_CONFIG")
     return settings, _workspace(settings)
 
 
@@ -374,7 +386,7 @@ def datasets_list(config: ConfigOpt = None) -> None:
 @datasets.command("history")
 def datasets_history(table: str, config: ConfigOpt = None) -> None:
     """Every version of a table, oldest first, with its stage, run and counts."""
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     with _usage_errors():
         history = ws.catalog.history(table)
     out = Table(title=f"{table}: {len(history)} version(s)")
@@ -401,7 +413,7 @@ def datasets_show(
     (polars' glimpse), since most tables have more columns than a terminal is wide."""
     import polars as pl
 
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     with _usage_errors():
         table, snapshot = ws.catalog.resolve(ref)
         if snapshot is None:
@@ -457,7 +469,7 @@ def datasets_diff(table: str, a: str, b: str, config: ConfigOpt = None) -> None:
     """Rows added, removed and changed between versions A and B (ids, tags or 'latest')."""
     if "@" in table:
         raise _fail(f"give the table as TABLE, not TABLE@VERSION: {table!r}; the versions to compare are A and B")
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     with _usage_errors():
         diff = ws.catalog.diff(table, a, b)
     if diff.a is None and diff.b is None:  # both 'latest' of a table no stage has written yet
@@ -478,7 +490,7 @@ def datasets_tag(
     config: ConfigOpt = None,
 ) -> None:
     """Name a version so notebooks and training jobs can ask for it by name."""
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     with _usage_errors():
         table, snapshot = ws.catalog.resolve(ref)
         if snapshot is None:
@@ -505,7 +517,7 @@ def datasets_expire(
     screenshot blobs that no remaining version references, and the trainer's old input folders."""
     from trajforge.data.retention import expire
 
-    settings, ws = _open(config)
+    settings, ws = _open_existing(config)
     with ws.ledger.writing("expire"):  # no run commits meanwhile
         gone = expire(ws.catalog, ws.blobs, ws.ledger, timedelta(days=older_than), dry_run=dry_run,
                       checkpoints_dir=settings.loop.checkpoints_dir, collect_checkpoints=checkpoints,
@@ -553,7 +565,7 @@ def eval_critics(
 
     if app_dir:  # the ground truth is the app's own checks: a night's --app-dir is needed again here
         _add_app_dirs(config, app_dir)
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     with _usage_errors():
         try:
             snapshot, judged = load_judged(ws.catalog, input, checker_for)
@@ -601,7 +613,7 @@ def checkpoints(
     """The checkpoints the loop trained (loop.train), and the lineage of one either way."""
     from trajforge.train import lineage
 
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     with _usage_errors():
         if model is not None:
             for ref in lineage.trained_on(ws.catalog, model):
@@ -625,7 +637,7 @@ def report(
     config: ConfigOpt = None,
 ) -> None:
     """Print a nightly run's report: yield, success by app and query source, hard queries before and after guidance."""
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     folder = ws.catalog.warehouse / "reports"
     if run_id is None:
         found = sorted(folder.glob("nightly-*.md"))  # run ids start with their start time, so names sort by time
@@ -659,7 +671,7 @@ def export_cmd(
         raise _fail(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     if app_dir:
         _add_app_dirs(config, app_dir)
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     with _usage_errors(ExportError):
         result = export(ws.catalog, ref, fmt, out, added_only=added)
     console.print(f"exported {result.table}@{result.snapshot} as {fmt}: {result.rows} rows, {result.images} images "
@@ -676,7 +688,7 @@ def view(
     """Write a static site to look at episodes step by step (screens, actions, critiques, verdicts)."""
     from trajforge.flows.viewer import ViewError, build_viewer
 
-    _, ws = _open(config)
+    _, ws = _open_existing(config)
     try:
         index = build_viewer(ws, target, out)
     except ViewError as exc:

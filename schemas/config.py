@@ -56,8 +56,28 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the file or variable and the field."""
 
 
+_YAML_BOOLEANS = {True: ("on", "yes", "true", "y"), False: ("off", "no", "false", "n")}
+"""The words YAML 1.1 (PyYAML) reads as a boolean when unquoted, by the boolean they become."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_boolean_words(cls, data: Any) -> Any:
+        """A choice among words given unquoted as one YAML reads as a boolean (`synth.consistency: off` is False):
+        the choice's word for that boolean, so the setting reads as the README writes it."""
+        if not isinstance(data, dict):
+            return data
+        words: dict[str, str] = {}
+        for name, field in cls.model_fields.items():
+            value = data.get(name)
+            if isinstance(value, bool) and typing.get_origin(field.annotation) is Literal:
+                matches = [w for w in typing.get_args(field.annotation) if w in _YAML_BOOLEANS[value]]
+                if len(matches) == 1:  # none: the boolean is refused as the wrong type, naming the choices
+                    words[name] = matches[0]
+        return {**data, **words}
 
 
 class WarehouseSettings(_Section):
@@ -731,6 +751,17 @@ def _variable_of(loc: tuple[Any, ...]) -> str | None:
     return None
 
 
+def _sources_of(loc: tuple[Any, ...], path: Path | None) -> str:
+    """Where a value at `loc` that no variable gave whole came from: the file, and the set variables below it. A
+    section's own check (critics: k against the channels asked) reads fields that either may have given."""
+    prefix = f"{ENV_PREFIX}{'__'.join(str(p) for p in loc)}__".upper()
+    below = sorted(name for name in os.environ if name.upper().startswith(prefix))
+    if not below:
+        return str(path or "the environment")
+    named = f"environment variable{'s' * (len(below) > 1)} {', '.join(below)}"
+    return f"{path} or {named}" if path is not None else named
+
+
 def has_path(data: Any, loc: tuple[Any, ...]) -> bool:
     """Whether the nested mapping `data` has the key path `loc` (a file or variable gave that value)."""
     for part in loc:
@@ -798,8 +829,32 @@ def yaml_problem(exc: yaml.YAMLError | UnicodeDecodeError) -> str:
     return f": not valid YAML: {exc}"
 
 
+def _from_folder(value: Any, annotation: Any, folder: Path) -> Any:
+    """A file's `value` for a setting of type `annotation` with each relative path in it (a Path, or a list,
+    mapping or section of them) joined to `folder`; `~/...` and absolute paths stay as they are."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if not isinstance(value, dict):
+            return value  # validation names what is wrong with it
+        fields = annotation.model_fields
+        return {k: _from_folder(v, fields[k].annotation, folder) if k in fields else v for k, v in value.items()}
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is list and isinstance(value, list):
+        return [_from_folder(v, args[0], folder) for v in value]
+    if typing.get_origin(annotation) is dict and isinstance(value, dict):
+        return {k: _from_folder(v, args[1], folder) for k, v in value.items()}
+    if Path in (annotation, *args) and isinstance(value, str) and not value.startswith("~") \
+            and not Path(value).is_absolute():
+        return str(folder / value)
+    return value
+
+
 def load_settings(path: Path | None = None) -> Settings:
-    """Read `path` (default: $TRAJFORGE_CONFIG, else ./trajforge.yaml if present) and the environment."""
+    """Read `path` (default: $TRAJFORGE_CONFIG, else ./trajforge.yaml if present) and the environment.
+
+    A relative path the file gives (warehouse.path, query_gen.app_dirs, loop.checkpoints_dir, ...) is taken
+    relative to the file's folder, so the CLI run with `--config other/trajforge.yaml` and a notebook that opens
+    that file agree on the warehouse; a default, or a path a variable gives, stays relative to the current folder.
+    """
     path = config_path(path)
     data: dict[str, Any] = {}
     if path is not None:
@@ -811,6 +866,7 @@ def load_settings(path: Path | None = None) -> Settings:
             raise ConfigError(f"{path}{yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(data).__name__}")
+        data = _from_folder(data, Settings, path.parent)
     for name in os.environ:
         if name.upper().startswith(ENV_PREFIX) and name.upper() not in _NOT_SETTINGS \
                 and not name.upper().startswith(SECRET_PREFIX) and not _is_setting(name):
@@ -832,6 +888,6 @@ def load_settings(path: Path | None = None) -> Settings:
             loc = tuple(err["loc"])
             field = ".".join(str(p) for p in loc)
             variable = _variable_of(loc)  # the environment overrides the file
-            where = f"environment variable {variable}" if variable else str(path or "the environment")
+            where = f"environment variable {variable}" if variable else _sources_of(loc, path)
             lines.append(f"{where}: field {field!r}: {err['msg']}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

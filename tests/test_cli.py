@@ -181,13 +181,16 @@ def test_apps_check_of_no_tasks_is_a_usage_error(tmp_path: Path, trajforge_cli: 
 
 
 def test_view_of_an_unknown_run_is_a_usage_error(tmp_path: Path, trajforge_cli: str) -> None:
+    queries_warehouse(tmp_path)
     proc = run(trajforge_cli, tmp_path, "view", "no-such-run")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == "" and proc.stderr.startswith("error:")
 
 
 def test_a_table_with_no_version_names_the_stages_that_write_it(tmp_path: Path, trajforge_cli: str) -> None:
-    """Before any night, `datasets show` and a stage whose input is empty say what to run, not an empty frame."""
+    """Before any night wrote it, `datasets show` and a stage whose input is empty say what to run, not an empty
+    frame."""
+    queries_warehouse(tmp_path)
     for args in (("datasets", "show", "steps"), ("run", "grounding")):
         proc = run(trajforge_cli, tmp_path, *args)
         assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -202,10 +205,60 @@ def test_datasets_list_before_any_night_says_so_and_creates_no_warehouse(tmp_pat
     assert not (tmp_path / "data").exists()
 
 
+READING_COMMANDS = [
+    ("report",), ("view",), ("eval", "critics"), ("checkpoints",), ("datasets", "history", "queries"),
+    ("datasets", "show", "queries"), ("datasets", "diff", "queries", "latest", "latest"),
+    ("datasets", "tag", "queries@latest", "best"), ("datasets", "expire", "--older-than", "30"),
+    ("export", "train_e2e@latest", "--format", "hf", "--out", "out"),
+]
+
+
+@pytest.mark.parametrize("args", READING_COMMANDS, ids=" ".join)
+def test_a_command_that_reads_refuses_where_no_night_made_the_warehouse_and_creates_none(
+        args: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each made an empty warehouse (catalog.db, blobs) in the current folder, which `open_catalog()` in a notebook
+    below it then found before the project's: now a usage error naming the folder it looked in, and nothing
+    written. In process (typer's runner): a console script per command would cost seconds each."""
+    from typer.testing import CliRunner
+
+    from trajforge.flows.cli import app
+
+    for name in list(os.environ):
+        if name.upper().startswith("TRAJFORGE_") and name.upper() != "TRAJFORGE_REQUIRE_SERVICES":
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"error: no warehouse at {tmp_path.resolve() / 'data' / 'warehouse'} "), \
+        result.stderr
+    assert list(tmp_path.iterdir()) == [], "a read creates no warehouse"
+
+
 def queries_warehouse(cwd: Path) -> None:
     """A warehouse at the default path under `cwd` whose queries table has one version of two rows."""
     with Catalog(cwd / "data" / "warehouse") as catalog:
         catalog.commit_rows("queries", [query_row("q1"), query_row("q2")], lineage("q"))
+
+
+def test_a_config_elsewhere_has_its_warehouse_beside_it_as_in_a_notebook(tmp_path: Path, trajforge_cli: str) -> None:
+    """`warehouse.path: store` in other/trajforge.yaml was ./store to the CLI and other/store to `open_catalog`: a
+    night wrote one and the notebook read the other. Both take it from the file's folder, with --config or
+    $TRAJFORGE_CONFIG, and `config show` gives the path the commands use."""
+    from trajforge.data.notebook import open_catalog
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "trajforge.yaml").write_text("warehouse:\n  path: store\n")
+    with Catalog(tmp_path / "other" / "store") as catalog:
+        catalog.commit_rows("queries", [query_row("q1")], lineage("q"))
+    proc = run(trajforge_cli, tmp_path, "datasets", "show", "queries", "--limit", "0", "-c", "other/trajforge.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ": 1 rows," in proc.stdout
+    shown = run(trajforge_cli, tmp_path, "config", "show", env={"TRAJFORGE_CONFIG": "other/trajforge.yaml"})
+    assert 'path: "other/store"  # other/trajforge.yaml' in shown.stdout, shown.stdout + shown.stderr
+    with open_catalog(tmp_path / "other" / "trajforge.yaml") as catalog:
+        assert catalog.warehouse == tmp_path / "other" / "store"
+    assert not (tmp_path / "store").exists()
 
 
 def test_datasets_show_with_limit_0_gives_the_columns_and_the_row_count(tmp_path: Path, trajforge_cli: str) -> None:

@@ -199,3 +199,50 @@ def test_model_names_are_every_model_the_config_names(tmp_path):
     names = load_settings(config).model_names()
     assert {"/ck/served", "/ck/policy", "vllm:/ck/two", "vllm"} <= names
     assert not any(n.startswith("http") for n in names)
+
+
+def test_relative_paths_in_a_config_file_are_taken_from_its_folder(tmp_path, monkeypatch):
+    """The CLI took `warehouse.path: wh` of `--config other/trajforge.yaml` as ./wh and a notebook as other/wh:
+    the night wrote one warehouse, the notebook opened another. Every path a file gives is the file's folder's."""
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "trajforge.yaml").write_text(
+        "warehouse:\n  path: wh\nquery_gen:\n  app_dirs: [apps/mine, /srv/app]\nguidance:\n  demonstrations: d.jsonl\n"
+        "loop:\n  checkpoints_dir: ck\nllm:\n  local:\n    cache_dir: ~/models\n")
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings(Path("other/trajforge.yaml"))
+    assert settings.warehouse.path.resolve() == tmp_path / "other" / "wh"
+    assert settings.query_gen.app_dirs == [Path("other/apps/mine"), Path("/srv/app")]
+    assert settings.guidance.demonstrations == Path("other/d.jsonl")
+    assert settings.loop.checkpoints_dir == Path("other/ck")
+    assert settings.llm.local.cache_dir == Path("~/models"), "the home folder's, wherever the file is"
+    monkeypatch.setenv("TRAJFORGE_WAREHOUSE__PATH", "elsewhere")  # a variable's path: the current folder's
+    assert load_settings(Path("other/trajforge.yaml")).warehouse.path == Path("elsewhere")
+    monkeypatch.delenv("TRAJFORGE_WAREHOUSE__PATH")
+    (tmp_path / "trajforge.yaml").write_text("warehouse:\n  path: data/warehouse\n")  # the usual layout: unchanged
+    assert load_settings().warehouse.path == Path("data/warehouse")
+
+
+@pytest.mark.parametrize("text", ["consistency: off", "consistency: 'off'"])
+def test_a_choice_written_as_a_yaml_boolean_word_is_that_choice(tmp_path, text):
+    """YAML reads an unquoted `off` as False: `synth.consistency: off`, as the README writes it, was refused."""
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text(f"synth:\n  {text}\n")
+    assert load_settings(cfg).synth.consistency == "off"
+    cfg.write_text("synth:\n  consistency: on\n")  # no such choice: refused, naming the choices
+    with pytest.raises(ConfigError, match=r"field 'synth.consistency': Input should be 'rules' or 'off'"):
+        load_settings(cfg)
+
+
+def test_a_sections_own_check_names_the_variables_that_gave_its_fields(tmp_path, monkeypatch):
+    """A check across a section's fields blamed the file (or 'the environment') for values variables gave."""
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("critics:\n  consensus: k_of_n\n")
+    monkeypatch.setenv("TRAJFORGE_CRITICS__K", "3")
+    with pytest.raises(ConfigError, match=rf"{cfg} or environment variable TRAJFORGE_CRITICS__K: field 'critics': "):
+        load_settings(cfg)
+    monkeypatch.setenv("TRAJFORGE_CRITICS__CONSENSUS", "k_of_n")
+    (tmp_path / "no-file").mkdir()
+    monkeypatch.chdir(tmp_path / "no-file")
+    both = "environment variables TRAJFORGE_CRITICS__CONSENSUS, TRAJFORGE_CRITICS__K"
+    with pytest.raises(ConfigError, match=rf"  {both}: field 'critics': "):
+        load_settings()
