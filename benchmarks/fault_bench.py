@@ -73,7 +73,8 @@ def cli_env(folder: Path) -> dict[str, str]:
     """The environment the CLI runs in for a night in `folder`: its own Prefect home, none of the caller's
     TRAJFORGE_ variables (the config file alone says what the night is) but those of settings that change no
     row (`schemas.config.UNHASHED`: the test suite shares one OCR cache between its nights)."""
-    kept = {f"TRAJFORGE_{section}__{name}".upper() for section, names in UNHASHED.items() for name in names}
+    kept = {f"TRAJFORGE_{section}__{name}".upper() for section, names in UNHASHED.items() for name in names
+            if not isinstance(names, dict) or names[name] is True}  # a whole setting, not a part of a section
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAJFORGE_") or k.upper() in kept}
     return env | {"COLUMNS": "200", "PREFECT_HOME": str(folder / "prefect")}
 

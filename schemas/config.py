@@ -710,9 +710,16 @@ class Settings(BaseSettings):
         return set(walk(self, ""))
 
 
-UNHASHED: dict[str, set[str]] = {"synth": {"ocr_cache_url"}, "query_gen": {"contexts"}}
-"""Settings per section that no stage's output depends on: where OCR readings are kept, how many pages
-interface validation opens at once."""
+_HOW_ASKED = {"max_concurrency", "timeout_s", "max_retries", "backoff_s", "api_key", "api_key_env"}
+UNHASHED: dict[str, Any] = {
+    "synth": {"ocr_cache_url"},
+    "query_gen": {"contexts"},
+    "llm": {"cache": True, "local": {"cache_dir"}, "endpoints": {"__all__": _HOW_ASKED}},
+}
+"""Settings per section that no stage's output depends on (pydantic's `exclude`, nested): where OCR readings and
+model files are kept, how many pages interface validation opens at once, and how a model is asked (the response
+cache on or off, concurrency, timeouts, retries, the key): a rerun with only the cache turned off re-grounded every
+screen, its rows the same."""
 
 
 def _is_setting(env_name: str) -> bool:

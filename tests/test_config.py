@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from trajforge.schemas.config import ConfigError, load_settings
+from trajforge.schemas.config import ConfigError, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -157,6 +157,21 @@ def test_catalog_url_is_a_secret_and_kept_out_of_hashes(tmp_path):
     assert "hunter2" not in repr(settings)
     assert "hunter2" not in settings.model_dump_json()
     assert settings.warehouse.catalog_url.get_secret_value().endswith("@db/x")
+
+
+def test_how_a_model_is_asked_changes_no_stages_hash_and_what_it_answers_does():
+    """A stage's config hash decides what it redoes: turning the response cache off, or an endpoint's timeout,
+    concurrency or retries, changes no row and must not re-ground every screen; its model or base URL does."""
+    def llm_hash(**llm: object) -> str:
+        return Settings(llm=llm).section_hash("synth", "llm")
+
+    vllm = {"base_url": "http://gpu1:8000/v1", "model": "m"}
+    base = llm_hash(endpoints={"vllm": vllm})
+    assert llm_hash(endpoints={"vllm": vllm}, cache=False) == base
+    assert llm_hash(endpoints={"vllm": vllm | {"timeout_s": 5, "max_concurrency": 2, "max_retries": 0}}) == base
+    assert llm_hash(endpoints={"vllm": vllm}, local={"cache_dir": "/elsewhere"}) == base
+    assert llm_hash(endpoints={"vllm": vllm | {"model": "other"}}) != base
+    assert llm_hash(endpoints={"vllm": vllm}, reask=0) != base
 
 
 @pytest.mark.parametrize(
