@@ -157,10 +157,10 @@ def test_model_describer_names_its_model_prompts_and_observation_mode(tmp_path):
     outcomes = distilled.outcomes
     assert len(outcomes) == 2 and outcomes[0]["outcome"]  # described by the model or, unparsed, from the record
     assert distilled.model_id != "template" and distilled.observation_mode.startswith("ocr")
-    if row is not None:
-        assert row.describer == distilled.model_id
-        assert row.prompt_version == "guidance_outcome@1,guidance_summary@1"
-        assert row.text.split("\nEssential steps:\n")[0]  # the model's summary comes first
+    assert row is not None  # the click opened Settings as its thought meant: a step is kept, a row written
+    assert row.describer == distilled.model_id
+    assert row.prompt_version == "guidance_outcome@1,guidance_summary@1"
+    assert row.text.split("\nEssential steps:\n")[0]  # the model's summary comes first
 
 
 def test_rollout_run_alone_finds_the_guidance_written_for_its_queries_version(tmp_path):

@@ -28,7 +28,7 @@ from trajforge.data.catalog import Lineage, commit_key
 from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.kinds import kind_for
 from trajforge.guidance.reference import STAGE as REFERENCE
-from trajforge.llm.ocr import OcrLine, OcrSpan
+from trajforge.llm.ocr import OcrLine, OcrReader, OcrSpan
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
@@ -42,6 +42,12 @@ from trajforge.tasks.runner import run_inline
 pytestmark = pytest.mark.browser
 
 
+VOTES = {0: ("should open the next page", True, 0.6), 1: ("should open the note it names", True, 0.9),
+         2: ("should close the app", False, 0.95), 3: ("should show the note", True, 0.7)}
+"""Per description seed: the effect the scripted describer writes, and the check's (consistent, score) of it. The
+best-scored vote is inconsistent, and the first and last consistent ones score lower than seed 1's, the one to keep."""
+
+
 class ModelServer(ScriptedServer):
     """An OpenAI-compatible endpoint whose answer depends on the prompt, as a real model's does."""
 
@@ -50,19 +56,21 @@ class ModelServer(ScriptedServer):
         self.broken: set[str] = set()  # prompt names whose answers come back unparsable
         self.truth: dict[tuple[str, int, int], dict[str, Any]] = {}  # (task, width, step) -> the demonstrated action
 
-    def answer(self, system: str, user: str) -> str:
+    def answer(self, system: str, user: str, seed: int | None) -> str:
         if "rewrite requests" in system:
             name = re.search(r'Element: \S+ "(.*)"', user).group(1)
             return "\n" if "rephrase" in self.broken else f"I need {name} now\nAnd more."
         if "rectangular region" in system:
             return "This region is a part of the screen that holds many things" if "region" in self.broken \
                 else "the top bar."
-        if "describe one action" in system:
+        if "describe one action" in system:  # each seed its own effect, as a sampled model's answers differ
             target = re.search(r"on \S+ '(.*)'", user)
-            return f"Clicks '{target.group(1) if target else 'it'}', which should open the next page. More text."
+            return f"Clicks '{target.group(1) if target else 'it'}', which {VOTES[seed][0]}. More text."
         if "check a description" in system:
-            return "no json" if "check" in self.broken else json.dumps(
-                {"consistent": True, "score": 0.8, "reason": "matches"})
+            if "check" in self.broken:
+                return "no json"
+            consistent, score = next(v[1:] for v in VOTES.values() if f"which {v[0]}" in user)
+            return json.dumps({"consistent": consistent, "score": score, "reason": "matches" if consistent else "no"})
         if "write short manuals" in system:
             return "garbage" if "manual" in self.broken else json.dumps({"manual": ["Open the note", "Edit it"]})
         if "plan tasks" in system:  # the first way on from the start page; broken, to a page of no app
@@ -95,7 +103,8 @@ class ModelServer(ScriptedServer):
     async def _completions(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append({"body": body})
-        return completion(self.answer(message_text(body["messages"][0]), message_text(body["messages"][-1])))
+        return completion(self.answer(message_text(body["messages"][0]), message_text(body["messages"][-1]),
+                                      body.get("seed")))
 
 
 @pytest.fixture(scope="module")
@@ -192,16 +201,18 @@ def test_the_pages_query_generation_saw_are_grounded_too(grounded):
 
 
 def test_a_rerun_with_nothing_new_reads_no_ocr_and_asks_no_model(recorded, grounded, model):
+    """The process's reader already holds every screen and the response cache every answer, so the rerun gets a
+    reader that has read nothing (any screen it reads runs the engine), and the gateway counts every question it is
+    asked, the cache's answers too."""
     root, run, snapshots = recorded
-    ws, _ = grounded
-    runs, asked = ws.ocr.engine_runs, len(model.requests)
     again = workspace(root, model.url)
+    again.ocr = OcrReader()
     rerun = again.ledger.open_run("test", "synth-rerun").run_id
     out = run_inline(grounding.STAGE, again, rerun, snapshots["steps"])
     lineage = again.catalog.lineage("grounding", out["grounding"])
     assert lineage.kept["grounding"] == 0
     assert lineage.stats["screens already grounded with this configuration by an earlier run"] > 0
-    assert (again.ocr.engine_runs, len(model.requests)) == (runs, asked)
+    assert (again.ocr.engine_runs, again.gateway.stats.calls) == (0, 0)
 
 
 def screen_of(ws: Workspace) -> tuple[grounding.Screen, bytes]:
@@ -355,8 +366,10 @@ def test_a_missing_blob_or_an_unparsable_answer_drops_the_row_and_the_stage_fini
 
 
 def test_action_semantics_one_row_per_valid_step_and_the_best_of_k_votes(recorded, model):
+    """A vote per seed: the kept description is the best-scored of those the check found consistent, not the first,
+    the last, nor the best-scored one the check found inconsistent."""
     root, run, snapshots = recorded
-    ws = workspace(root, model.url)
+    ws = workspace(root, model.url, semantics_votes=len(VOTES))
     out = run_inline(semantics.STAGE, ws, run, snapshots["steps"])
     steps = ws.catalog.load("steps", snapshots["steps"])
     effective = steps.filter(pl.col("action_valid") & ~pl.col("action_type").is_in(["terminate", "answer"])
@@ -366,8 +379,10 @@ def test_action_semantics_one_row_per_valid_step_and_the_best_of_k_votes(recorde
     described = rows.filter(pl.col("tier") == "description").to_dicts()
     assert len(described) == 1
     votes = json.loads(described[0]["votes_json"])
-    assert len(votes) == 2 and all(v["scored_by"] == "model" and v["score"] == 0.8 for v in votes)
-    assert described[0]["description"].startswith("Clicks '") and "More text" not in described[0]["description"]
+    assert [(v["seed"], v["scored_by"], v["consistent"], v["score"]) for v in votes] == [
+        (seed, "model", consistent, score) for seed, (_, consistent, score) in VOTES.items()]
+    kept = described[0]["description"]
+    assert kept == votes[1]["description"] and kept.startswith("Clicks '") and kept.endswith(f"{VOTES[1][0]}.")
     training = ws.catalog.load("train_semantics", out["train_semantics"])
     assert training.height == rows.height and all(len(i) == 2 for i in training["images"])
 
