@@ -56,7 +56,7 @@ from trajforge.envs.operations import parse_operations
 from trajforge.envs.spec import AppSpec, Transition, placeholders
 from trajforge.llm import GatewayError, Sampling, TextPart, load_prompt
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.stage import night_settings, rollout
+from trajforge.rollout.stage import night_settings, policy_model, rollout
 from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import Manual, Plan, PlanningChat, Query, Step, steps_by_episode
 from trajforge.schemas.stage import Inputs, StageDef, StageOutput, config_hash
@@ -64,8 +64,10 @@ from trajforge.synth.chat import chat_sample
 
 PROMPTS = Path(__file__).parent / "prompts"
 MANUAL, PLAN = "planning_manual", "planning_plan"
-SECTIONS = ("synth", "rollout", "loop", "llm")
-"""`loop` as well as `rollout`: the manuals' trials roll out with the night's policy model (`night_settings`)."""
+SECTIONS = ("synth", "rollout", "llm")
+"""Not `loop`, though the trials roll out with the night's policy model (`night_settings`): that model is in the
+fingerprint (`trial_model`), and the rest of `loop` (its window, `max_guided`, training) decides nothing here.
+Planning replaces no earlier row, so a hashed setting that changes nothing would add every manual and plan again."""
 MAX_TRAJECTORIES = 3
 """Successful trajectories shown per manual: enough to tell the route from the detours, short enough
 for a small model."""
@@ -537,6 +539,13 @@ def prompt_fingerprint() -> str:
     return ",".join(f"{p.name}@{p.version}:{digest(p.path.read_bytes(), 12)}" for p in prompts)
 
 
+def trial_model(ws: Workspace) -> str:
+    """The model the manuals' trials roll out with: the night's policy model (the loop iteration's, or its latest
+    checkpoint with `loop.train`); "" where no trial runs. A new one measures `success_with` anew."""
+    cfg = ws.settings.synth
+    return policy_model(ws) if cfg.manual_trials and cfg.measured_manuals_per_app else ""
+
+
 def _written(ws: Workspace) -> tuple[frozenset[str], frozenset[str]]:
     """The manual and plan ids already in the warehouse, which are not written again, and apart from them the
     manuals kept as the template because the model's answer was unusable (`mode: fallback`), which a later run
@@ -574,7 +583,7 @@ def load_apps(ws: Workspace, snapshot: int | None) -> Inputs[AppPlanning]:
             pl.len().alias("n"), pl.col("success").sum().alias("ok"))
         history = {r["query_id"]: (r["n"], r["ok"]) for r in counts.to_dicts()}
     written, fallback = _written(ws)
-    fingerprint = prompt_fingerprint()
+    fingerprint = f"{prompt_fingerprint()},trials={trial_model(ws)}"
     config = config_hash(ws.settings, SECTIONS, fingerprint)
     apps: dict[str, dict[str, list[Trajectory]]] = {}
     stats: Counter[str] = Counter()

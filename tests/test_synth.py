@@ -28,8 +28,9 @@ from trajforge.data.catalog import Lineage, commit_key
 from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.kinds import kind_for
 from trajforge.guidance.reference import STAGE as REFERENCE
+from trajforge.llm import workspace as llm_workspace
 from trajforge.llm.ocr import OcrLine, OcrReader, OcrSpan
-from trajforge.llm.workspace import Workspace
+from trajforge.llm.workspace import Workspace, code_version
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
 from trajforge.schemas.config import Settings
@@ -970,8 +971,13 @@ def test_a_reworded_planning_prompt_is_new_work_and_a_new_code_version_is_not(re
     with monkeypatch.context() as patch:
         patch.setattr(planning, "PROMPTS", _reworded(planning.PROMPTS, planning.MANUAL, tmp_path))
         assert config() != before
-    monkeypatch.setattr(planning, "code_version", lambda: "0.0+gfixed", raising=False)  # as the code would see it
-    assert config() == before
+    with monkeypatch.context() as patch:  # a new release, as every module that asks `code_version()` sees it
+        patch.setattr(llm_workspace, "version", lambda _: "0.0.fixed")
+        code_version.cache_clear()
+        try:
+            assert code_version().startswith("0.0.fixed") and config() == before
+        finally:
+            code_version.cache_clear()
 
 
 def test_a_manuals_trial_rolls_out_with_the_nights_policy_model_and_names_it(recorded, model, monkeypatch):
@@ -981,8 +987,11 @@ def test_a_manuals_trial_rolls_out_with_the_nights_policy_model_and_names_it(rec
     synth = {"manual_trials": 1, "plans_per_app": 0}
     ws = notes_workspace(root, model.url, synth=synth, loop={"models": {0: "m"}})
     _, episodes = ws.catalog.resolve("episodes@latest")
-    assert planning.load_apps(ws, episodes).units[0].config != planning.load_apps(  # the loop decides the trials
-        notes_workspace(root, model.url, synth=synth), episodes).units[0].config
+    def config(**loop: Any) -> str:
+        return planning.load_apps(notes_workspace(root, model.url, synth=synth, loop=loop), episodes).units[0].config
+
+    assert config(models={0: "/srv/iteration-1"}) != config()  # the loop's model decides the trials
+    assert config(max_guided=5, train_steps=7) == config()  # and nothing else of the loop: not new work
     asked: list[str | None] = []
 
     def trial(queries: list[Query], *, settings: Any, **_: Any) -> Any:
