@@ -35,6 +35,8 @@ import math
 from collections import Counter
 from typing import Any
 
+import polars as pl
+
 from trajforge.envs import actions
 from trajforge.llm import ImagePart, Prompt, RenderedPrompt, TextPart, load_prompt
 from trajforge.llm.workspace import Workspace
@@ -206,11 +208,12 @@ def pal_ui_sft_summary(stats: dict[str, int]) -> str | None:
 
 def load_passes(ws: Workspace, snapshot: int | None) -> Inputs[PalUITeacher]:
     """The kept passes of the run that wrote this version of `pal_ui_teacher`; the others counted by reason. The
-    episodes whose passes that version took out and wrote none again (`pal_ui` withdrew them: the critics have
-    since rejected the episode) are withdrawn here too, so their chat samples go with their passes."""
+    episodes `pal_ui_sft` holds chat samples of that this version holds no kept pass of (`pal_ui` withdrew them, the
+    critics having since rejected the episode, or did them again and its teacher matched none of the new passes)
+    are withdrawn here too, so their chat samples go with their passes."""
     rows, snapshot = ws.catalog.rows_added("pal_ui_teacher", snapshot)
     inputs = Inputs[PalUITeacher](units=[], snapshots={"pal_ui_teacher": snapshot},
-                                  withdrawn=dict.fromkeys(_taken_out(ws, snapshot), "its teacher passes withdrawn"))
+                                  withdrawn=dict.fromkeys(_taken_out(ws, snapshot), "no kept teacher pass left"))
     if rows.height == 0:
         inputs.stats["pal_ui_teacher version without a teacher pass"] += 1
     for record in rows.to_dicts():
@@ -225,17 +228,15 @@ def load_passes(ws: Workspace, snapshot: int | None) -> Inputs[PalUITeacher]:
 
 
 def _taken_out(ws: Workspace, snapshot: int) -> set[str]:
-    """The episodes the version of `pal_ui_teacher` before `snapshot` (the one before it still held, after `datasets
-    expire`) holds passes of and `snapshot` holds none of."""
-    versions = [info.snapshot_id for info in ws.catalog.history("pal_ui_teacher")]
-    at = versions.index(snapshot)
-    if at == 0:
+    """The episodes `pal_ui_sft` holds chat samples of and this version of `pal_ui_teacher` holds no kept pass of.
+    By state, not by the change from the version before: a `pal_ui` run that `pal_ui_sft` did not follow is seen
+    by the next one. `pal_ui_sft` is read at its latest and not named in the lineage: it is the stage's own output.
+    """
+    if "pal_ui_sft" not in ws.catalog.tables():
         return set()
-
-    def episodes(version: int) -> set[str]:
-        return set(ws.catalog.scan("pal_ui_teacher", version).select("episode_id").unique().collect()["episode_id"])
-
-    return episodes(versions[at - 1]) - episodes(snapshot)
+    held = ws.catalog.scan("pal_ui_sft").select("episode_id").unique().collect()["episode_id"]
+    kept = ws.catalog.scan("pal_ui_teacher", snapshot).filter(pl.col("kept")).select("episode_id").unique().collect()
+    return set(held) - set(kept["episode_id"])
 
 
 STAGE = StageDef[Workspace, PalUITeacher](

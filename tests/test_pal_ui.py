@@ -13,12 +13,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 from scripted import ScriptedServer, completion, message_parts, message_text, notes_workspace
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajforge.data.catalog import Lineage, Withdrawal, commit_key
+from trajforge.data.catalog import Lineage, Withdrawal, commit_key, write_parquet_atomic
 from trajforge.guidance.reference import STAGE as REFERENCE
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
@@ -26,6 +27,7 @@ from trajforge.rollout.gui_owl import to_call
 from trajforge.schemas.config import Settings
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import PalUITeacher
+from trajforge.schemas.tables import to_arrow
 from trajforge.synth import pal_ui, pal_ui_sft
 from trajforge.synth.trusted import load_trusted, spread
 from trajforge.tasks.runner import run_inline
@@ -372,4 +374,36 @@ def test_an_episode_whose_passes_pal_ui_withdrew_loses_its_chat_samples(recorded
         code_version="x"), "append", Withdrawal("episode_id", frozenset({gone})))
     sft = run_inline(pal_ui_sft.STAGE, ws, later, version)["pal_ui_sft"]
     assert set(ws.catalog.load("pal_ui_sft")["episode_id"]) == held - {gone}
-    assert ws.catalog.lineage("pal_ui_sft", sft).stats["withdrawn: its teacher passes withdrawn"] == 1
+    assert ws.catalog.lineage("pal_ui_sft", sft).stats["withdrawn: no kept teacher pass left"] == 1
+
+
+def test_an_episode_done_again_with_no_pass_kept_loses_its_chat_samples_after_any_number_of_pal_ui_runs(recorded,
+                                                                                                         model):
+    """pal_ui does an episode again (a step critique changed) and its teacher matches none of the new passes: the
+    old passes are replaced by one not kept. pal_ui_sft, run only after a later pal_ui run that did nothing, still
+    takes the episode's chat samples out: it goes by what the version holds, not by what changed last."""
+    root, snapshots = recorded
+    model.retrieve, model.wrong, model.wrong_first, model.blank = 0, False, 0, False
+    ws = workspace(root, model.url, cache=False, min_step=1, retrieval_share=0.3)
+    run = ws.ledger.open_run("test", "before the redo").run_id
+    teacher = run_inline(pal_ui.STAGE, ws, run, snapshots["steps"])["pal_ui_teacher"]
+    run_inline(pal_ui_sft.STAGE, ws, run, teacher)
+    held = set(ws.catalog.load("pal_ui_sft")["episode_id"])
+    redone = sorted(held)[-1]
+    again = ws.ledger.open_run("test", "redone, nothing kept").run_id
+    unkept = ws.catalog.load("pal_ui_teacher", teacher).filter(pl.col("episode_id") == redone).head(1).with_columns(
+        kept=pl.lit(False), run_id=pl.lit(again))
+    path = ws.catalog.data_dir("pal_ui_teacher") / "redone.parquet"
+    write_parquet_atomic(to_arrow("pal_ui_teacher", unkept.to_dicts()), path)
+
+    def lineage(run_id: str) -> Lineage:
+        return Lineage(stage="pal_ui", run_id=run_id, commit_key=commit_key(run_id, "pal_ui", "pal_ui_teacher"),
+                       config_hash="x", code_version="x")
+
+    ws.catalog.commit_files("pal_ui_teacher", [path], lineage(again), "append",
+                            Withdrawal("episode_id", frozenset({redone})))
+    quiet = ws.ledger.open_run("test", "a pal_ui run with nothing to do").run_id
+    version = ws.catalog.commit_files("pal_ui_teacher", [], lineage(quiet), "append")
+    sft = run_inline(pal_ui_sft.STAGE, ws, quiet, version)["pal_ui_sft"]
+    assert set(ws.catalog.load("pal_ui_sft")["episode_id"]) == held - {redone}
+    assert ws.catalog.lineage("pal_ui_sft", sft).stats["withdrawn: no kept teacher pass left"] == 1
