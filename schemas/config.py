@@ -859,8 +859,9 @@ def load_settings(path: Path | None = None) -> Settings:
     """Read `path` (default: $TRAJFORGE_CONFIG, else ./trajforge.yaml if present) and the environment.
 
     A relative path the file gives (warehouse.path, query_gen.app_dirs, loop.checkpoints_dir, ...) is taken
-    relative to the file's folder, so the CLI run with `--config other/trajforge.yaml` and a notebook that opens
-    that file agree on the warehouse; a default, or a path a variable gives, stays relative to the current folder.
+    relative to the file's folder, and so is the default warehouse.path when a file is read, so the CLI run with
+    `--config other/trajforge.yaml` and a notebook that opens that file agree on the warehouse; a path a variable
+    gives, or the default with no file, stays relative to the current folder.
     """
     path = config_path(path)
     data: dict[str, Any] = {}
@@ -873,7 +874,15 @@ def load_settings(path: Path | None = None) -> Settings:
             raise ConfigError(f"{path}{yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(data).__name__}")
-        data = _from_folder(data, Settings, path.parent)
+        # Resolved, so a path is the same string (in every config hash) however the file was named: `deploy` names
+        # it absolute, a hand run in the project folder as ./trajforge.yaml.
+        folder = path.resolve().parent
+        data = _from_folder(data, Settings, folder)
+        warehouse = data.get("warehouse", {})
+        if isinstance(warehouse, dict) and "path" not in warehouse and not _variable_of(("warehouse", "path")):
+            # The file's folder is its project: the default warehouse is there, where a notebook opening the file
+            # looks for it (data.notebook.open_catalog).
+            data["warehouse"] = warehouse | {"path": str(folder / WarehouseSettings.model_fields["path"].default)}
     for name in os.environ:
         if name.upper().startswith(ENV_PREFIX) and name.upper() not in _NOT_SETTINGS \
                 and not name.upper().startswith(SECRET_PREFIX) and not _is_setting(name):

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from trajforge.data.catalog import Catalog
+from trajforge.data.notebook import open_catalog
 from trajforge.schemas.config import ConfigError, Settings, load_settings
 
 
@@ -218,23 +220,41 @@ def test_model_names_are_every_model_the_config_names(tmp_path):
 
 def test_relative_paths_in_a_config_file_are_taken_from_its_folder(tmp_path, monkeypatch):
     """The CLI took `warehouse.path: wh` of `--config other/trajforge.yaml` as ./wh and a notebook as other/wh:
-    the night wrote one warehouse, the notebook opened another. Every path a file gives is the file's folder's."""
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "trajforge.yaml").write_text(
+    the night wrote one warehouse, the notebook opened another. Every path a file gives is the file's folder's, and
+    so is the default warehouse of a file that gives none."""
+    other = tmp_path.resolve() / "other"
+    other.mkdir()
+    (other / "trajforge.yaml").write_text(
         "warehouse:\n  path: wh\nquery_gen:\n  app_dirs: [apps/mine, /srv/app]\nguidance:\n  demonstrations: d.jsonl\n"
         "loop:\n  checkpoints_dir: ck\nllm:\n  local:\n    cache_dir: ~/models\n")
     monkeypatch.chdir(tmp_path)
     settings = load_settings(Path("other/trajforge.yaml"))
-    assert settings.warehouse.path.resolve() == tmp_path / "other" / "wh"
-    assert settings.query_gen.app_dirs == [Path("other/apps/mine"), Path("/srv/app")]
-    assert settings.guidance.demonstrations == Path("other/d.jsonl")
-    assert settings.loop.checkpoints_dir == Path("other/ck")
+    assert settings.warehouse.path == other / "wh"
+    assert settings.query_gen.app_dirs == [other / "apps/mine", Path("/srv/app")]
+    assert settings.guidance.demonstrations == other / "d.jsonl"
+    assert settings.loop.checkpoints_dir == other / "ck"
     assert settings.llm.local.cache_dir == Path("~/models"), "the home folder's, wherever the file is"
     monkeypatch.setenv("TRAJFORGE_WAREHOUSE__PATH", "elsewhere")  # a variable's path: the current folder's
     assert load_settings(Path("other/trajforge.yaml")).warehouse.path == Path("elsewhere")
     monkeypatch.delenv("TRAJFORGE_WAREHOUSE__PATH")
-    (tmp_path / "trajforge.yaml").write_text("warehouse:\n  path: data/warehouse\n")  # the usual layout: unchanged
-    assert load_settings().warehouse.path == Path("data/warehouse")
+    (other / "bare.yaml").write_text("rollout:\n  contexts: 2\n")  # no warehouse.path: the default, in other/
+    assert load_settings(Path("other/bare.yaml")).warehouse.path == other / "data" / "warehouse"
+    Catalog.from_settings(load_settings(Path("other/bare.yaml")).warehouse).close()  # a night's, in other/
+    monkeypatch.chdir(other / "data")  # a notebook's kernel elsewhere: it finds the night's warehouse by the file
+    assert open_catalog(other / "bare.yaml").warehouse == other / "data" / "warehouse"
+    monkeypatch.chdir(tmp_path)
+    assert load_settings().warehouse.path == Path("data/warehouse"), "no file: the current folder's"
+
+
+def test_a_config_file_hashes_the_same_however_it_is_named(tmp_path, monkeypatch):
+    """`deploy` names the config by its absolute path, a hand run in the project as ./trajforge.yaml: the same file
+    gives the same paths, so the same config hash, and a once-stage does not redo what the other did."""
+    (tmp_path / "trajforge.yaml").write_text("synth:\n  paddle_det_dir: models/det\nquery_gen:\n  app_dirs: [apps]\n")
+    monkeypatch.chdir(tmp_path)
+    named = [load_settings(p).section_hash("synth", "query_gen")
+             for p in (Path("trajforge.yaml"), tmp_path / "trajforge.yaml", Path("../" + tmp_path.name + "/trajforge.yaml"))]
+    assert len(set(named)) == 1
+    assert load_settings(None).section_hash("synth", "query_gen") == named[0]
 
 
 @pytest.mark.parametrize("text", ["consistency: off", "consistency: 'off'"])
