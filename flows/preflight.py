@@ -84,13 +84,14 @@ def check_models(settings: Settings) -> None:
                               f"{', '.join(['local', *settings.llm.endpoints])}; or ENDPOINT:MODEL, or a checkpoint "
                               "folder's absolute path)")
         # A checkpoint folder is served in process, as 'local' is; the gateway would blame llm.local.model for it.
-        reason = missing_models(embedded=False)
-        if reason:
-            raise ConfigError(f"{field}: the in-process model {name} cannot run: {reason}")
+        # The folder first: a mistyped path is not fixed by installing the packages.
         try:
             checkpoint(name)
         except FileNotFoundError:
             raise ConfigError(f"{field}: {name} is not a transformers checkpoint folder (no config.json)") from None
+        reason = missing_models(embedded=False)
+        if reason:
+            raise ConfigError(f"{field}: the in-process model {name} cannot run: {reason}")
     for name, endpoint in settings.llm.endpoints.items():
         if endpoint.api_key is None and endpoint.api_key_env and not os.environ.get(endpoint.api_key_env):
             raise ConfigError(
