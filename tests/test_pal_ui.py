@@ -357,21 +357,34 @@ def test_passes_and_their_balance_done_again_replace_the_earlier_rows(recorded, 
         p["sample_id"] for p in passes if p["kept"])
 
 
-def test_an_episode_whose_passes_pal_ui_withdrew_loses_its_chat_samples(recorded, model):
-    """pal_ui takes an episode's passes out and writes none again (the critics have since rejected it: `load_trusted`
-    withdraws it): pal_ui_sft run on that version takes the episode's chat samples out too, counted."""
+def _taught(recorded: tuple[Path, dict[str, int]], model: TeacherServer, label: str) -> tuple[Workspace, int,
+                                                                                              set[str]]:
+    """pal_ui, then pal_ui_sft, on the recorded steps: the workspace, the teacher version and the episodes that
+    have chat samples."""
     root, snapshots = recorded
     model.retrieve, model.wrong, model.wrong_first, model.blank = 0, False, 0, False
     ws = workspace(root, model.url, cache=False, min_step=1, retrieval_share=0.3)
-    run = ws.ledger.open_run("test", "before the withdrawal").run_id
+    run = ws.ledger.open_run("test", label).run_id
     teacher = run_inline(pal_ui.STAGE, ws, run, snapshots["steps"])["pal_ui_teacher"]
     run_inline(pal_ui_sft.STAGE, ws, run, teacher)
-    held = set(ws.catalog.load("pal_ui_sft")["episode_id"])
+    return ws, teacher, set(ws.catalog.load("pal_ui_sft")["episode_id"])
+
+
+def _pal_ui_commit(ws: Workspace, label: str, files: list[Path], withdrawn: str | None = None) -> tuple[str, int]:
+    """A pal_ui run's commit of `files` to pal_ui_teacher, taking out `withdrawn`'s passes: its run id and version."""
+    run_id = ws.ledger.open_run("test", label).run_id
+    lineage = Lineage(stage="pal_ui", run_id=run_id, commit_key=commit_key(run_id, "pal_ui", "pal_ui_teacher"),
+                      config_hash="x", code_version="x")
+    withdraw = Withdrawal("episode_id", frozenset({withdrawn})) if withdrawn else None
+    return run_id, ws.catalog.commit_files("pal_ui_teacher", files, lineage, "append", withdraw)
+
+
+def test_an_episode_whose_passes_pal_ui_withdrew_loses_its_chat_samples(recorded, model):
+    """pal_ui takes an episode's passes out and writes none again (the critics have since rejected it: `load_trusted`
+    withdraws it): pal_ui_sft run on that version takes the episode's chat samples out too, counted."""
+    ws, _, held = _taught(recorded, model, "before the withdrawal")
     gone = sorted(held)[0]
-    later = ws.ledger.open_run("test", "withdrawing").run_id  # pal_ui's commit of a run that only withdrew
-    version = ws.catalog.commit_files("pal_ui_teacher", [], Lineage(
-        stage="pal_ui", run_id=later, commit_key=commit_key(later, "pal_ui", "pal_ui_teacher"), config_hash="x",
-        code_version="x"), "append", Withdrawal("episode_id", frozenset({gone})))
+    later, version = _pal_ui_commit(ws, "withdrawing", [], gone)  # a run that only withdrew
     sft = run_inline(pal_ui_sft.STAGE, ws, later, version)["pal_ui_sft"]
     assert set(ws.catalog.load("pal_ui_sft")["episode_id"]) == held - {gone}
     assert ws.catalog.lineage("pal_ui_sft", sft).stats["withdrawn: no kept teacher pass left"] == 1
@@ -382,28 +395,14 @@ def test_an_episode_done_again_with_no_pass_kept_loses_its_chat_samples_after_an
     """pal_ui does an episode again (a step critique changed) and its teacher matches none of the new passes: the
     old passes are replaced by one not kept. pal_ui_sft, run only after a later pal_ui run that did nothing, still
     takes the episode's chat samples out: it goes by what the version holds, not by what changed last."""
-    root, snapshots = recorded
-    model.retrieve, model.wrong, model.wrong_first, model.blank = 0, False, 0, False
-    ws = workspace(root, model.url, cache=False, min_step=1, retrieval_share=0.3)
-    run = ws.ledger.open_run("test", "before the redo").run_id
-    teacher = run_inline(pal_ui.STAGE, ws, run, snapshots["steps"])["pal_ui_teacher"]
-    run_inline(pal_ui_sft.STAGE, ws, run, teacher)
-    held = set(ws.catalog.load("pal_ui_sft")["episode_id"])
+    ws, teacher, held = _taught(recorded, model, "before the redo")
     redone = sorted(held)[-1]
-    again = ws.ledger.open_run("test", "redone, nothing kept").run_id
     unkept = ws.catalog.load("pal_ui_teacher", teacher).filter(pl.col("episode_id") == redone).head(1).with_columns(
-        kept=pl.lit(False), run_id=pl.lit(again))
+        kept=pl.lit(False))
     path = ws.catalog.data_dir("pal_ui_teacher") / "redone.parquet"
     write_parquet_atomic(to_arrow("pal_ui_teacher", unkept.to_dicts()), path)
-
-    def lineage(run_id: str) -> Lineage:
-        return Lineage(stage="pal_ui", run_id=run_id, commit_key=commit_key(run_id, "pal_ui", "pal_ui_teacher"),
-                       config_hash="x", code_version="x")
-
-    ws.catalog.commit_files("pal_ui_teacher", [path], lineage(again), "append",
-                            Withdrawal("episode_id", frozenset({redone})))
-    quiet = ws.ledger.open_run("test", "a pal_ui run with nothing to do").run_id
-    version = ws.catalog.commit_files("pal_ui_teacher", [], lineage(quiet), "append")
+    _pal_ui_commit(ws, "redone, nothing kept", [path], redone)
+    quiet, version = _pal_ui_commit(ws, "a pal_ui run with nothing to do", [])
     sft = run_inline(pal_ui_sft.STAGE, ws, quiet, version)["pal_ui_sft"]
     assert set(ws.catalog.load("pal_ui_sft")["episode_id"]) == held - {redone}
     assert ws.catalog.lineage("pal_ui_sft", sft).stats["withdrawn: no kept teacher pass left"] == 1
