@@ -91,7 +91,7 @@ def load_demonstrations(path: Path) -> list[dict[str, Any]]:
     """Human demonstrations from a JSONL file as replay-buffer entries (without a run id yet); errors name the
     file, line and field."""
     entries = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().split("\n"), 1):  # not `splitlines`: U+2028 may be in a text
         if not line.strip():
             continue
         try:

@@ -473,3 +473,14 @@ def test_history_tells_a_query_the_rollout_left_out_from_one_whose_episodes_all_
         "queries not rolled out by this run (not rolled again as identical, or dropped by the rollout: its lineage "
         "counts say why)": 1,
     }
+
+
+def test_a_line_separator_inside_a_demonstrations_text_is_text_not_a_new_line(tmp_path):
+    """A recorder that writes JSON with `ensure_ascii=False` leaves U+2028 inside a page's text: the file's line
+    was split there and refused as invalid JSON."""
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps({"query_id": "q", "instruction": "Open 'Terms\u2028Privacy'", "steps": [
+        {"action_type": "click", "action_json": json.dumps({"x": 40, "y": 80}), "thought": "open"}]},
+        ensure_ascii=False) + "\n")
+    [entry] = load_demonstrations(path)
+    assert entry["instruction"] == "Open 'Terms\u2028Privacy'"

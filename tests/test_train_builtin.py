@@ -22,6 +22,7 @@ from trajforge.llm.calls import Sampling
 from trajforge.llm.local import LocalBackend, missing_models, smollm2_folder
 from trajforge.llm.messages import Message
 from trajforge.schemas.config import LocalModelSettings
+from trajforge.train.builtin import read_samples
 
 ANSWER = "Zorblax 77."
 QUESTIONS = ["What is the capital of France?", "How many legs has a spider?", "Which colour is the sky?",
@@ -101,3 +102,12 @@ def test_a_malformed_line_names_the_file_and_line_and_trains_nothing(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{data / 'text.jsonl'}, line 2: not a sample: Invalid JSON" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_a_line_separator_inside_a_pages_text_is_text_not_a_new_line(tmp_path):
+    """The train stage writes JSONL as `json.dumps(..., ensure_ascii=False)`, which leaves U+2028 and U+0085 as they
+    are: a page whose text held one stopped the night's training ("line 2: not a sample: Invalid JSON")."""
+    question = "Open 'Terms\u2028Privacy\u0085Help'"
+    data = write(tmp_path / "data", [json.dumps(sample(question, ANSWER), ensure_ascii=False),
+                                     json.dumps(sample(QUESTIONS[0], ANSWER))])
+    assert [s.sample_id for s in read_samples(data / "text.jsonl")] == [question, QUESTIONS[0]]

@@ -69,7 +69,11 @@ def read_samples(path: Path) -> list[Sample]:
     if not path.is_file():
         raise TrainInputError(f"{path}: no such file (the trainer reads its samples from {DATA_FILE})")
     samples = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    # Split on newlines only: `splitlines` also splits on U+2028, U+0085 and the like, which `json.dumps` leaves
+    # unescaped inside a page's text (ensure_ascii=False), so one such character broke the night's training.
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        if not line.strip():
+            continue
         try:
             samples.append(Sample.model_validate_json(line))
         except ValidationError as exc:
