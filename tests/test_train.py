@@ -18,10 +18,10 @@ from trajforge.data.catalog import Lineage, commit_key
 from trajforge.flows.stages import stages
 from trajforge.llm.local import missing_models, smollm2_folder
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import ConfigError, LocalModelSettings, load_settings
+from trajforge.schemas.config import ConfigError, LocalModelSettings, Settings, load_settings
 from trajforge.synth.handoff import SFT_TABLES
 from trajforge.tasks.runner import commit, plan, run_shard
-from trajforge.train.stage import base_folder, folder_hash
+from trajforge.train.stage import TrainerError, base_folder, folder_hash, run_trainer
 
 pytestmark = pytest.mark.browser
 
@@ -175,3 +175,13 @@ def test_a_train_stage_that_died_after_its_commit_finishes_on_rerun_without_trai
     assert again.pending == [] and again.input_stats["nights already trained on (their checkpoint is registered)"]
     assert commit(again, ws) == {"checkpoints": landed} == ws.ledger.committed(run_id, "train")
     assert ws.catalog.load("checkpoints").height == 2  # the night's, and this stage's once
+
+
+def test_a_trainer_program_that_cannot_run_is_named(tmp_path):
+    """`CUDA_VISIBLE_DEVICES=0 swift sft ...`, ms-swift's usual form, runs no shell: `CUDA_VISIBLE_DEVICES=0` was
+    the program, and the night stopped on a bare FileNotFoundError."""
+    (tmp_path / "data").mkdir()
+    settings = Settings(loop={"trainer": "CUDA_VISIBLE_DEVICES=0 swift sft --dataset {data} --output_dir {out}"})
+    with pytest.raises(TrainerError, match=r"cannot run 'CUDA_VISIBLE_DEVICES=0'.*without a shell"):
+        run_trainer(settings, tmp_path / "data", tmp_path / "ckpt", "base")
+    assert not (tmp_path / "ckpt").exists()

@@ -197,8 +197,14 @@ def run_trainer(settings: Settings, data: Path, folder: Path, base: str) -> tupl
     shown = mask(command)
     log = data / "trainer.log"
     start = time.perf_counter()
+    argv = shlex.split(command)
     with log.open("w") as out:
-        done = subprocess.run(shlex.split(command), cwd=data, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            done = subprocess.run(argv, cwd=data, stdout=out, stderr=subprocess.STDOUT)
+        except OSError as exc:  # not found, not executable; `VAR=1 swift ...` names `VAR=1` as the program
+            raise TrainerError(f"loop.trainer: cannot run {mask(argv[0])!r}: {exc.strerror or exc} (the command runs "
+                               f"without a shell: set variables in the environment, not before the program): "
+                               f"{shown}") from None
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise TrainerError(f"loop.trainer exited {done.returncode}: {shown}\n(its output is in {log}; the end:)\n"
