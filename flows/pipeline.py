@@ -15,7 +15,7 @@ from prefect.futures import wait
 from trajforge.flows.preflight import preflight
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
-from trajforge.schemas.config import Settings
+from trajforge.schemas.config import UNHASHED, Settings
 from trajforge.schemas.ids import digest
 from trajforge.synth.report import write_report
 from trajforge.tasks.prefect_tasks import portable, run_workspace, shard_task, task_runner, workspace
@@ -31,9 +31,16 @@ def _workspace(run_id: str | None, config: str | None) -> Workspace:
     return ws if ws is not None else Workspace.open(preflight(config))
 
 
+RESUMED_ACROSS: dict[str, Any] = UNHASHED | {"runner": True, "loop": {"trainer"}}
+"""Settings a run's identity leaves out: those that change no row (`UNHASHED`: a timeout, a key, the cache), how
+shards are run (`runner`), and the trainer's command. Changing them is how a user fixes what stopped a run (an
+endpoint's timeout, a worker count, a trainer not installed), so the rerun resumes it: a new run would start the
+night again and leave the stopped one unfinished, its training rows never handed to a trainer."""
+
+
 def run_identity(flow_name: str, settings: Settings, extra: str = "") -> str:
     """What a run does; an unfinished run with the same identity is resumed, not restarted."""
-    return digest(f"{flow_name}:{settings.model_dump_json()}{extra}", 32)
+    return digest(f"{flow_name}:{settings.model_dump_json(exclude=RESUMED_ACROSS)}{extra}", 32)
 
 
 async def _run_stage(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> dict[str, int]:

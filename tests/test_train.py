@@ -15,6 +15,7 @@ from conftest import REPLAY_NIGHT_CONFIG, require
 from test_pipeline import by_policy, cli, workspace
 
 from trajforge.data.catalog import Lineage, commit_key
+from trajforge.flows.pipeline import run_identity
 from trajforge.flows.stages import stages
 from trajforge.llm.local import missing_models, smollm2_folder
 from trajforge.llm.workspace import Workspace
@@ -185,3 +186,16 @@ def test_a_trainer_program_that_cannot_run_is_named(tmp_path):
     with pytest.raises(TrainerError, match=r"cannot run 'CUDA_VISIBLE_DEVICES=0'.*without a shell"):
         run_trainer(settings, tmp_path / "data", tmp_path / "ckpt", "base")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_fixing_what_stopped_a_night_resumes_it_rather_than_starting_another():
+    """A night stopped by its trainer (not installed, out of memory), an endpoint's timeout or a worker count is
+    fixed by editing that setting: the rerun must resume the night, or its training rows never reach a trainer and
+    the stopped run stays unfinished. What the night does (its steps, its apps) is still a new night."""
+    night = Settings(loop={"train": True, "trainer": "swift sft --dataset {data} --output_dir {out}"})
+    fixed = Settings(loop={"train": True, "trainer": "{python} -m trajforge.train.builtin --data {data} --out {out}"},
+                     runner={"workers": 3}, llm={"cache": False})
+    assert run_identity("nightly", fixed) == run_identity("nightly", night)
+    assert run_identity("nightly", Settings(loop={"train": True, "train_steps": 7})) != run_identity("nightly", night)
+    assert run_identity("nightly", Settings(loop={"train": True}, query_gen={"apps": ["shop"]})) != run_identity(
+        "nightly", Settings(loop={"train": True}))
