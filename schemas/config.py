@@ -401,7 +401,7 @@ class LLMSettings(_Section):
 
 
 BUILTIN_TRAINER = "{python} -m trajforge.train.builtin --data {data} --out {out} --base {base} --steps {steps}"
-TRAINER_FIELDS = ("data", "out", "base", "steps", "python")
+TRAINER_FIELDS = ("data", "out", "base", "steps", "python", "datasets")
 """What `loop.trainer` may name: the trainer command is a template."""
 
 
@@ -431,7 +431,9 @@ class LoopSettings(_Section):
         default=BUILTIN_TRAINER, description="The trainer command, run in the folder {data}, with {data} (the "
         "folder of the night's exports: one folder per table in train_format, and text.jsonl, the samples rendered "
         "as text as a text-only model saw them), {out} (the folder to write the checkpoint into), {base} (the "
-        "model trained from: a folder, or the endpoint's model name), {steps} and {python} filled in. The default "
+        "model trained from: a folder, or the endpoint's model name), {datasets} (the night's exports as the format "
+        "names them: ms-swift's train.jsonl files and hf's folders, one argument each; LLaMA-Factory's dataset names, "
+        "comma-separated), {steps} and {python} filled in. The default "
         "is the built-in full fine-tune of a small in-process model on text.jsonl (trajforge.train.builtin).")
     train_steps: int = Field(default=20, gt=0, description="Optimiser steps asked of the trainer ({steps}).")
     train_format: Literal["ms-swift", "llamafactory", "hf"] = Field(

@@ -31,7 +31,7 @@ LOOP = f"""
 loop:
   train: true
   train_steps: 3
-  trainer: "{{python}} {USER_TRAINER} {{data}} {{out}} {{base}} {{steps}}"
+  trainer: "{{python}} {USER_TRAINER} {{data}} {{out}} {{base}} {{steps}} {{datasets}}"
 """
 
 
@@ -62,6 +62,7 @@ def test_the_users_trainer_gets_the_nights_tables_and_its_checkpoint_is_register
     # Each table reached the trainer as its ms-swift export, with exactly the rows the night added to it.
     assert received["tables"] == {t: ws.catalog.rows_added(t, v)[0].height for t, v in night.items()}
     assert received["tables"]["train_e2e"] > 0 and received["steps"] == 3
+    assert received["datasets"] == [f"{t}/train.jsonl" for t in sorted(night)]  # {datasets}: one argument each
     # Every image opens from the folder the trainer runs in, as ms-swift opens a relative path.
     assert received["images"] >= received["tables"]["train_e2e"] and received["images_missing"] == []
     assert received["base"] == str(smollm2_folder(LocalModelSettings().cache_dir))
@@ -184,7 +185,7 @@ def test_a_trainer_program_that_cannot_run_is_named(tmp_path):
     (tmp_path / "data").mkdir()
     settings = Settings(loop={"trainer": "CUDA_VISIBLE_DEVICES=0 swift sft --dataset {data} --output_dir {out}"})
     with pytest.raises(TrainerError, match=r"cannot run 'CUDA_VISIBLE_DEVICES=0'.*without a shell"):
-        run_trainer(settings, tmp_path / "data", tmp_path / "ckpt", "base")
+        run_trainer(settings, tmp_path / "data", tmp_path / "ckpt", "base", ["train_e2e"])
     assert not (tmp_path / "ckpt").exists()
 
 

@@ -151,7 +151,8 @@ def train(units: list[TrainUnit], ws: Workspace, run_id: str, _: str) -> StageOu
             out.dropped["nights with no training sample (every SFT table of the night is empty)"] += 1
             continue
         folder = (loop.checkpoints_dir or ws.catalog.warehouse / "checkpoints").expanduser().resolve() / unit.name
-        command, seconds = run_trainer(ws.settings, data, folder, base_folder(ws, unit.base))
+        tables = [ref.partition("@")[0] for ref in unit.trained_on]
+        command, seconds = run_trainer(ws.settings, data, folder, base_folder(ws, unit.base), tables)
         model_id = str(folder) if loop.serve == "local" else f"{loop.serve}:{folder}"
         out.rows["checkpoints"].append(Checkpoint(
             run_id=run_id, model_id=model_id, checkpoint_hash=folder_hash(folder), folder=str(folder),
@@ -185,7 +186,17 @@ def write_data(ws: Workspace, unit: TrainUnit, data: Path) -> int:
     return samples
 
 
-def run_trainer(settings: Settings, data: Path, folder: Path, base: str) -> tuple[str, float]:
+def datasets(fmt: str, data: Path, tables: list[str]) -> list[str]:
+    """`{datasets}`: the night's exports as the trainer names them. Only the tables the night wrote rows to have an
+    export, so a command that listed `{data}/train_e2e/train.jsonl` itself failed on a night whose rollouts the
+    critics all rejected."""
+    if fmt == "llamafactory":
+        return [",".join(tables)]  # `--dataset a,b` with `--dataset_dir {data}` (its dataset_info.json)
+    return [str(data / t / "train.jsonl") if fmt == "ms-swift" else str(data / t) for t in tables]
+
+
+def run_trainer(settings: Settings, data: Path, folder: Path, base: str, tables: list[str]
+                ) -> tuple[str, float]:
     """Run `loop.trainer` into a temporary sibling of `folder`, renamed to it once the command exits 0 having
     written a checkpoint; returns the command as run, secrets masked, and its seconds. Raises TrainerError."""
     loop = settings.loop
@@ -193,7 +204,8 @@ def run_trainer(settings: Settings, data: Path, folder: Path, base: str) -> tupl
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     fields = {"data": data, "out": tmp, "base": base, "steps": loop.train_steps, "python": sys.executable}
-    command = loop.trainer.format(**{k: shlex.quote(str(v)) for k, v in fields.items()})
+    command = loop.trainer.format(**{k: shlex.quote(str(v)) for k, v in fields.items()},
+                                  datasets=" ".join(map(shlex.quote, datasets(loop.train_format, data, tables))))
     shown = mask(command)
     log = data / "trainer.log"
     start = time.perf_counter()
