@@ -47,6 +47,7 @@ from trajforge.data.blobs import SHA256, BlobStore
 from trajforge.data.catalog import (
     RUN_ID_KEY,
     Catalog,
+    UnknownRef,
     data_folder,
     metadata_files,
     referenced_files,
@@ -132,6 +133,23 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
+def _trained_on(catalog: Catalog) -> set[tuple[str, int]]:
+    """The table versions the registered checkpoints (the current `checkpoints` rows) were trained on. A standalone
+    `trajforge run train` is not tagged, nor the by-hand stage runs it may have trained on, so nothing else kept
+    them once a later checkpoint landed: the checkpoint's lineage named data that was gone."""
+    if "checkpoints" not in catalog.tables():
+        return set()
+    found: set[tuple[str, int]] = set()
+    for ref in catalog.load("checkpoints", columns=["trained_on"])["trained_on"].explode().drop_nulls().unique():
+        try:
+            table, sid = catalog.resolve(ref)
+        except UnknownRef:  # expired by an earlier expire, before this rule
+            continue
+        if sid is not None:
+            found.add((table, sid))
+    return found
+
+
 def _old_checkpoints(catalog: Catalog, cutoff: datetime, named: Collection[str]) -> list[Path]:
     """Checkpoint folders made before the cutoff, except each chain's newest and those `named`."""
     rows = catalog.load("checkpoints").sort("created_at").to_dicts()
@@ -159,6 +177,8 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
                                      if s.timestamp_ms >= cutoff_ms or _run_of(s) in unfinished
                                      or s.snapshot_id in read.get(name, ())}
             for name, tbl in tables.items()}
+    for table, sid in _trained_on(catalog):  # a checkpoint's data: `trajforge checkpoints --model` names it
+        keep[table].add(sid)
     # A kept version's lineage names the versions it was made from: they stay, so it can be explained and rerun.
     # So do the versions its stage run committed beside it (a rollout's steps beside its episodes, a critics run's
     # step critiques beside its verdicts): a later stage finds them by their commit keys (`Catalog.written_with`).

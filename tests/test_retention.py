@@ -298,3 +298,27 @@ def test_the_loops_old_files_go_and_checkpoints_only_when_asked(tmp_path: Path) 
     assert not any(p.exists() for p in (a1, b1, old_data, leftover))
     assert all(p.is_dir() for p in (a2, b2, c1, c2, new_data))
     assert catalog.load("checkpoints").height == 6  # what was trained is still told
+
+
+def test_the_versions_a_registered_checkpoint_was_trained_on_stay(tmp_path: Path) -> None:
+    """`trajforge run train` by hand is not a night: nothing tags its checkpoints version nor the by-hand versions
+    it trained on, so once a later checkpoint landed they expired, and `trajforge checkpoints --model` named data
+    that was gone. (Queries stand in for an SFT table: any table a checkpoint names is kept the same way.)"""
+    catalog = Catalog(tmp_path / "warehouse")
+
+    def register(name: str, trained_on: int) -> None:
+        catalog.commit_rows("checkpoints", [Checkpoint(
+            run_id=name, model_id=name, checkpoint_hash="0" * 64, folder=str(tmp_path / name), served_by="local",
+            base_model_id="m", root_model_id="m", trained_on=[f"queries@{trained_on}"], samples=1, steps=1,
+            trainer="train", seconds=1.0, created_at=datetime.now(timezone.utc))],
+            lineage(name, stage="train", run_id=name, inputs={"queries": trained_on}))
+
+    first = catalog.commit_rows("queries", [query_row("q1")], lineage("q1"))
+    register("ck1", first)
+    middle = catalog.commit_rows("queries", [query_row("q2")], lineage("q2"))
+    second = catalog.commit_rows("queries", [query_row("q3")], lineage("q3"))
+    register("ck2", second)
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    gone = expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
+    assert gone.snapshots.get("queries") == [middle]
+    assert Catalog(tmp_path / "warehouse").load("queries", first)["query_id"].to_list() == ["q1"]
