@@ -77,9 +77,12 @@ def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:
     """The endpoint's key: given in the config, or read from the environment variable it names."""
     if endpoint.api_key is not None or endpoint.api_key_env is None:
         return endpoint.api_key
-    value = os.environ.get(endpoint.api_key_env)
+    value = (os.environ.get(endpoint.api_key_env) or "").strip()  # a key file's trailing newline, say
     if not value:
         raise ValueError(f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} is not set")
+    if not value.isprintable():  # httpx refuses the header as a connection error, retried, and logs it at DEBUG
+        raise ValueError(f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} holds a "
+                         "control character (the value is not shown)")
     return SecretStr(value)
 
 

@@ -197,6 +197,41 @@ def test_failed_calls_are_not_cached(judge, tmp_path):
     assert len(server.requests) == 2
 
 
+def answered(message: dict[str, Any] | None, finish_reason: str = "stop") -> Reply:
+    """A 200 reply whose one choice holds `message` as the server sent it."""
+    return Reply(raw=json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "scripted",
+                                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}]}))
+
+
+@pytest.mark.parametrize(("message", "finish_reason"), [
+    (None, "stop"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "click", "arguments": "{}"}}]}, "tool_calls"),
+    ({"role": "assistant", "content": None, "reasoning_content": "<think>the label is"}, "length"),
+], ids=["no message", "tool calls", "reasoning only"])
+def test_an_answer_without_text_is_an_error_and_not_cached(judge, tmp_path, message, finish_reason):
+    """A null message crashed the stage; a null content beside tool calls or a reasoning parser's field was stored
+    as "", cached, and never asked again. Each is a failed call of its row, and the rerun asks again."""
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    with ScriptedServer(answered(message, finish_reason), Reply()) as server, \
+            gateway(server.url, max_retries=0, db_url=db) as gw:
+        with pytest.raises(GatewayError, match=f"answered no text \\(finish_reason '{finish_reason}'"):
+            gw.chat_sync(judge)
+        assert gw.chat_sync(judge, schema=Judgement).parsed == Judgement(label="GOOD", reason="fine")
+    assert len(server.requests) == 2
+
+
+def test_content_sent_as_text_parts_is_the_answer_and_cached(judge, tmp_path):
+    """Some servers send `content` as a list of parts: it crashed the response cache after the model answered."""
+    parts = [{"type": "text", "text": '{"label": "GOOD", '}, {"type": "text", "text": '"reason": "fine"}'}]
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    with ScriptedServer(answered({"role": "assistant", "content": parts})) as server, \
+            gateway(server.url, db_url=db) as gw:
+        assert gw.chat_sync(judge, schema=Judgement).parsed == Judgement(label="GOOD", reason="fine")
+        assert gw.chat_sync(judge).record.cached
+    assert len(server.requests) == 1
+
+
 SECRET = "sk-trajforge-LEAKCHECK-7f3a9c2e"
 OTHER_SECRET = "sk-trajforge-ENVJSON-51d0b8"
 
@@ -264,6 +299,21 @@ def test_unset_key_variable_names_endpoint_and_variable(monkeypatch):
         ValueError, match="llm.endpoints.vllm.api_key_env: environment variable NO_SUCH_KEY_VAR is not set"
     ):
         Gateway(settings)
+
+
+def test_a_key_variable_read_from_a_file_loses_its_newline_and_a_control_character_is_refused(judge, monkeypatch):
+    """A key from a file (a Kubernetes secret) ends in a newline: every call failed as a connection error, retried,
+    and httpx's debug log quoted the key. It is stripped; a control character inside is named, the value not."""
+    with ScriptedServer(Reply()) as server:
+        settings = LLMSettings(endpoints={"s": endpoint(server.url, api_key_env="FILE_KEY")}, default="s")
+        monkeypatch.setenv("FILE_KEY", f"{SECRET}\n")
+        with Gateway(settings) as gw:
+            assert gw.chat_sync(judge).text == GOOD
+        assert server.requests[0]["headers"]["authorization"] == f"Bearer {SECRET}"
+        monkeypatch.setenv("FILE_KEY", f"{SECRET[:8]}\x07{SECRET[8:]}")
+        with pytest.raises(ValueError, match="FILE_KEY holds a control character") as err:
+            Gateway(settings)
+        assert SECRET[8:] not in str(err.value)
 
 
 def test_llm_config_defaults_and_errors(tmp_path, monkeypatch):
