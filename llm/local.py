@@ -201,8 +201,11 @@ class LocalModel:
         return Completion(text, reason, tokens_in=int(inputs["input_ids"].shape[1]), tokens_out=len(new))
 
     def _generate(self, inputs: dict[str, Any], sampling: Sampling, grammar: str | None) -> list[int]:
-        """transformers' own `generate`, for a vision model's answers (whose image positions it keeps)."""
-        options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
+        """transformers' own `generate`, for a vision model's answers (whose image positions it keeps). What it is
+        not told it takes from the checkpoint's generation_config: Qwen2.5-VL's `top_k: 1` made every seed's draw
+        the same answer, and its `repetition_penalty` changed greedy ones, so both are set as `_draw` samples."""
+        options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0,
+                                   "top_k": 0, "repetition_penalty": 1.0}
         if grammar is not None:
             options["logits_processor"] = [_GrammarMask(self._grammar_tokenizer, grammar, inputs["input_ids"].shape[1])]
         if sampling.temperature > 0:

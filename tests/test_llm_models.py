@@ -450,6 +450,26 @@ def test_forced_tokens_fed_in_one_pass_give_generates_greedy_answer_and_a_seeded
         model.generate(list(rendered.messages), drawn, grammar).text
 
 
+def test_generate_samples_as_asked_whatever_the_checkpoints_generation_config_says(embedded):
+    """`_generate` (a vision model's path) took what it was not told from the checkpoint's generation_config:
+    Qwen2.5-VL's `top_k: 1` made n seeded samples one answer n times, and a repetition penalty changed greedy
+    answers. Given such a config, its greedy answer is the kept-cache loop's and its draws differ by seed."""
+    import torch
+
+    model = LocalModel(smollm2_folder(LocalModelSettings().cache_dir), SMOLLM2_ID)  # its own: the config is edited
+    model.model.generation_config.top_k, model.model.generation_config.repetition_penalty = 1, 1.3
+    messages = list(policy_prompt().messages)
+    inputs = model._text_inputs(messages)
+    greedy = Sampling(temperature=0.0, max_tokens=30)
+    assert model.tokenizer.decode(model._generate(inputs, greedy, None), skip_special_tokens=True) == model.generate(
+        messages, greedy).text
+    draws = set()
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        draws.add(tuple(model._generate(inputs, Sampling(temperature=1.0, max_tokens=30, seed=seed), None)))
+    assert len(draws) == 3
+
+
 def test_a_prompt_that_opens_like_the_last_is_read_from_where_they_part(embedded):
     grammar = Constraint("tool_call", call_schema("mobile", 412, 732)).grammar
     greedy = Sampling(temperature=0.0, max_tokens=40)
