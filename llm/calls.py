@@ -43,6 +43,9 @@ class Completion:
     tokens_in: int | None
     tokens_out: int | None
     attempts: int = 1
+    withheld: bool = False
+    """No text came back (`content` null beside tool calls, or beside a reasoning parser's field): `text` is "" and
+    the cache does not keep it, so a rerun asks again (cached, it was never asked again)."""
 
 
 class CallRecord(BaseModel):

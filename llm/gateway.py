@@ -69,8 +69,9 @@ UNFINISHED = frozenset({"abort", "error", "content_filter"})
 def _finished(answer: Completion) -> bool:
     """Whether the cache may keep this answer: not one the server aborted, failed or filtered, which may differ
     next time. Any other reason is kept (stop, length, and a server's own names or none at all: a rerun with
-    nothing new must ask no model), as is an empty answer (greedy decoding gives it again)."""
-    return answer.finish_reason not in UNFINISHED
+    nothing new must ask no model), as is an empty answer (greedy decoding gives it again), but not one whose text
+    the server withheld (`Completion.withheld`)."""
+    return answer.finish_reason not in UNFINISHED and not answer.withheld
 
 
 def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:

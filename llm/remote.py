@@ -170,15 +170,14 @@ class OpenAIBackend:
             raise BackendError(self._shown(f"endpoint {self.name} ({self.settings.base_url}) answered no chat "
                                            f"completion: {str(response)[:200]}"), attempts[0])
         choice = response.choices[0]
-        text = _text_of(choice.message)
-        if text is None:  # not cached, not parsed as an empty answer: the next run asks again
-            raise BackendError(self._shown(
-                f"endpoint {self.name} ({self.settings.base_url}) answered no text (finish_reason "
-                f"{choice.finish_reason!r}; a reasoning parser or tool calls take the answer out of `content`): "
-                f"{str(choice.message)[:200]}"), attempts[0])
+        if choice.message is None:
+            raise BackendError(self._shown(f"endpoint {self.name} ({self.settings.base_url}) answered a choice with "
+                                           f"no message: {str(choice)[:200]}"), attempts[0])
+        text = _text_of(choice.message.content)
         usage = response.usage
         return Completion(
-            text=text,
+            text=text or "",
+            withheld=text is None,
             finish_reason=choice.finish_reason or "unknown",
             tokens_in=usage.prompt_tokens if usage else None,
             tokens_out=usage.completion_tokens if usage else None,
@@ -228,11 +227,10 @@ class OpenAIBackend:
             await session[0].close()
 
 
-def _text_of(message: object) -> str | None:
-    """The answer's text: `content` as a string, or its text parts joined (some servers send a list of parts);
-    None where the message holds none: no message, or `content` null beside tool calls or a reasoning field, which
-    no prompt here asks for (stored as "", the empty answer was cached and a rerun never asked again)."""
-    content = getattr(message, "content", None)
+def _text_of(content: object) -> str | None:
+    """The answer's text: `content` as a string, or its text parts joined (some servers send a list of parts, which
+    crashed the response cache); None where it holds none (null beside tool calls, or beside a reasoning parser's
+    field, neither of which a prompt here asks for)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:

@@ -204,21 +204,29 @@ def answered(message: dict[str, Any] | None, finish_reason: str = "stop") -> Rep
 
 
 @pytest.mark.parametrize(("message", "finish_reason"), [
-    (None, "stop"),
     ({"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "click", "arguments": "{}"}}]}, "tool_calls"),
     ({"role": "assistant", "content": None, "reasoning_content": "<think>the label is"}, "length"),
-], ids=["no message", "tool calls", "reasoning only"])
-def test_an_answer_without_text_is_an_error_and_not_cached(judge, tmp_path, message, finish_reason):
-    """A null message crashed the stage; a null content beside tool calls or a reasoning parser's field was stored
-    as "", cached, and never asked again. Each is a failed call of its row, and the rerun asks again."""
+], ids=["tool calls", "reasoning only"])
+def test_an_answer_whose_text_the_server_withheld_is_not_cached(judge, tmp_path, message, finish_reason):
+    """A null content beside tool calls or a reasoning parser's field was stored as "", cached, and never asked
+    again: it is an empty answer of this call (its row fails to parse, recorded), and the rerun asks again."""
     db = f"sqlite:///{tmp_path / 'catalog.db'}"
     with ScriptedServer(answered(message, finish_reason), Reply()) as server, \
-            gateway(server.url, max_retries=0, db_url=db) as gw:
-        with pytest.raises(GatewayError, match=f"answered no text \\(finish_reason '{finish_reason}'"):
-            gw.chat_sync(judge)
-        assert gw.chat_sync(judge, schema=Judgement).parsed == Judgement(label="GOOD", reason="fine")
+            gateway(server.url, max_retries=0, db_url=db, reask=0) as gw:
+        first = gw.chat_sync(judge, schema=Judgement)
+        assert first.text == "" and first.record.finish_reason == finish_reason and first.parsed is None
+        again = gw.chat_sync(judge, schema=Judgement)
+        assert not again.record.cached and again.parsed == Judgement(label="GOOD", reason="fine")
     assert len(server.requests) == 2
+
+
+def test_a_choice_without_a_message_is_a_failed_call(judge):
+    """It crashed the stage with an AttributeError; it is the call's error, recorded."""
+    with ScriptedServer(answered(None)) as server, gateway(server.url, max_retries=0) as gw:
+        with pytest.raises(GatewayError, match="answered a choice with no message") as err:
+            gw.chat_sync(judge)
+    assert err.value.record.error and len(server.requests) == 1
 
 
 def test_content_sent_as_text_parts_is_the_answer_and_cached(judge, tmp_path):
