@@ -255,7 +255,8 @@ def test_a_config_elsewhere_has_its_warehouse_beside_it_as_in_a_notebook(tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ": 1 rows," in proc.stdout
     shown = run(trajforge_cli, tmp_path, "config", "show", env={"TRAJFORGE_CONFIG": "other/trajforge.yaml"})
-    assert 'path: "other/store"  # other/trajforge.yaml' in shown.stdout, shown.stdout + shown.stderr
+    store = tmp_path.resolve() / "other" / "store"  # made absolute, so it hashes the same however the file is named
+    assert f'path: "{store}"  # other/trajforge.yaml' in shown.stdout, shown.stdout + shown.stderr
     with open_catalog(tmp_path / "other" / "trajforge.yaml") as catalog:
         assert catalog.warehouse == tmp_path / "other" / "store"
     assert not (tmp_path / "store").exists()
