@@ -151,8 +151,7 @@ def train(units: list[TrainUnit], ws: Workspace, run_id: str, _: str) -> StageOu
             out.dropped["nights with no training sample (every SFT table of the night is empty)"] += 1
             continue
         folder = (loop.checkpoints_dir or ws.catalog.warehouse / "checkpoints").expanduser().resolve() / unit.name
-        tables = [ref.partition("@")[0] for ref in unit.trained_on]
-        command, seconds = run_trainer(ws.settings, data, folder, base_folder(ws, unit.base), tables)
+        command, seconds = run_trainer(ws.settings, data, folder, base_folder(ws, unit.base), sorted(unit.versions))
         model_id = str(folder) if loop.serve == "local" else f"{loop.serve}:{folder}"
         out.rows["checkpoints"].append(Checkpoint(
             run_id=run_id, model_id=model_id, checkpoint_hash=folder_hash(folder), folder=str(folder),
