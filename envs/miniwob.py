@@ -59,6 +59,14 @@ _END_AND_FORGET = """core.endEpisode(0); core.wob_latest = "-"; core.wob_scores 
 episodes' rewards in its screenshot and accessibility tree."""
 
 
+_KEEP_THE_END = "core.cover_div.onclick = null;"
+"""An ended task shows MiniWoB++'s START cover, whose click starts a new, unseeded problem and clears the reward.
+The episode goes on until the policy terminates and the checker reads the state after its last step, so a click
+after the end undid a solved task's reward, or earned one on a problem the query did not ask. The cover stays
+(the screen says the task ended); its click does nothing, and the first ending stands (`core.endEpisode` rewards
+once). A reset starts the next problem itself (`core.startEpisodeReal`)."""
+
+
 _IMAGES_READY = """async () => {
   const url = /url\\("([^"]+)"\\)/g, shown = new Set(), named = new Set();
   for (const img of document.images) shown.add(img.currentSrc || img.src);
@@ -168,7 +176,7 @@ class MiniWoBEnv:
         url = start_url or self.env.start_url or ""
         _, seed = task_and_seed(url)
         start = f"""Math.seedrandom({seed}); core.EPISODE_MAX_TIME = {self.max_time_ms};
-                    core.startEpisodeReal(); await ({_IMAGES_READY})(); return core.getUtterance();"""
+                    core.startEpisodeReal(); {_KEEP_THE_END} await ({_IMAGES_READY})(); return core.getUtterance();"""
         if self.restarts(url):
             utterance = self.env.restart(url, f"async () => {{ {_END_AND_FORGET} {start} }}")
         else:

@@ -76,6 +76,20 @@ def test_the_right_click_earns_the_pages_reward(env, server):
     assert success and reason == "reward 1"
 
 
+def test_the_first_ending_stands_after_more_clicks(env, server):
+    """MiniWoB++ covers an ended task with a START button whose click starts a new, unseeded problem; the
+    episode goes on until the policy terminates, and its checker reads the state last, so a click after the
+    end must neither undo the reward (a solved task judged failed) nor start a problem the query did not ask."""
+    utterance = env.reset("s", server.task_url("click-button", 1))
+    x, y = button_box(env.observe().ax_tree, target_of(utterance))
+    env.act({"type": "click", "x": x, "y": y})
+    for _ in range(2):  # on the cover, where the button was
+        assert env.act({"type": "click", "x": x, "y": y}) is None
+    assert check_reward({}, env.app_state()) == (True, "reward 1")
+    assert env.reset("t", server.task_url("click-button", 1)) == utterance  # the restart still starts it
+    assert check_reward({}, env.app_state()) == (False, "the task did not end: no reward")
+
+
 def test_a_wrong_click_or_no_action_is_a_failure(env, server):
     env.reset("s", server.task_url("click-button", 1))
     assert check_reward({}, env.app_state()) == (False, "the task did not end: no reward")
