@@ -294,6 +294,65 @@ def screen_targets(nodes: Iterable[AXNode], width: int, height: int) -> list[Tar
     return found
 
 
+WHOLE_SCREEN: PixelBox = (0, 0, 1 << 16, 1 << 16)
+"""A box over any screenshot: what is covered where a secret shows and nothing says where."""
+
+
+def secrets_off_the_tree(snapshot: dict[str, Any]) -> list[PixelBox]:
+    """The boxes to cover where a DOMSnapshot shows a secret that the accessibility tree does not hold, so the
+    tree's own masking (`Observation`) never sees it: the text of a frame's document (`getFullAXTree` reads the
+    main frame only: a code typed into a payment or sign-in frame) and text the tree ignores (`aria-hidden`).
+    A frame's text is covered by its frame element's box in the page. Only what is laid out is covered (a
+    script's or a hidden input's text is not painted); a password field shows bullets and is left alone.
+
+    Only the strings table is looked at unless it holds a secret, so a page without one costs one pass over it."""
+    strings: list[str] = snapshot["strings"]
+    if not (held := secrets.holding(strings)):
+        return []
+    documents = snapshot["documents"]
+    owner: dict[int, tuple[int, int]] = {}  # a frame's document -> (the document, node) of its frame element
+    laid_out: list[dict[int, tuple[float, float, float, float]]] = []  # per document: node -> its first box
+    for d, doc in enumerate(documents):
+        frames = doc["nodes"].get("contentDocumentIndex", {"index": [], "value": []})
+        owner.update((child, (d, node)) for node, child in zip(frames["index"], frames["value"], strict=True))
+        boxes: dict[int, tuple[float, float, float, float]] = {}
+        for node, bounds in zip(doc["layout"].get("nodeIndex", []), doc["layout"].get("bounds", []), strict=True):
+            boxes.setdefault(node, tuple(bounds))
+        laid_out.append(boxes)
+    main = documents[0]
+    sx, sy = main.get("scrollOffsetX", 0), main.get("scrollOffsetY", 0)
+    covers: set[PixelBox] = set()
+    for d, doc in enumerate(documents):
+        nodes = doc["nodes"]
+        showing = [i for i, text in enumerate(nodes.get("nodeValue", [])) if text in held]
+        for rare in ("inputValue", "textValue"):
+            values = nodes.get(rare, {"index": [], "value": []})
+            showing += [i for i, text in zip(values["index"], values["value"], strict=True)
+                        if text in held and not _password_field(nodes, i, strings)]
+        if not any(i in laid_out[d] for i in showing):
+            continue
+        places = [i for i in showing if i in laid_out[d]] if d == 0 else []
+        frame = d
+        while frame != 0 and frame in owner:  # the outermost frame element, in the page
+            frame, element = owner[frame]
+            places = [element]
+        if frame != 0:  # a document no frame element of the page holds: where it shows is unknown
+            return [WHOLE_SCREEN]
+        for i in places:
+            if (box := laid_out[0].get(i)) is not None and box[2] > 0 and box[3] > 0:
+                x, y, w, h = box
+                covers.add((int(x - sx), int(y - sy), int(w + 1), int(h + 1)))  # whole pixels over a fraction
+    return sorted(covers)
+
+
+def _password_field(nodes: dict[str, Any], index: int, strings: list[str]) -> bool:
+    """Whether the DOMSnapshot node `index` is an <input type=password> (its value shown as bullets)."""
+    attributes = nodes.get("attributes", [])
+    pairs = attributes[index] if index < len(attributes) else []
+    return any(strings[name].lower() == "type" and strings[value].lower() == "password"
+               for name, value in zip(pairs[::2], pairs[1::2], strict=True))
+
+
 def png_size(png: bytes) -> tuple[int, int]:
     """Width and height from a PNG's IHDR chunk (no decoding)."""
     if png[:8] != b"\x89PNG\r\n\x1a\n":
@@ -724,6 +783,8 @@ class BrowserEnv:
         if self._document is not None and self._document[0] >= 500:
             raise EnvFault(f"the app answered HTTP {self._document[0]} for {self._document[1]}", "app_down")
         png = base64.b64decode(shot["data"])
+        if hidden := secrets_off_the_tree(snapshot):
+            png = secrets.cover(png, hidden)
         width, height = png_size(png)
         layout = Layout(snapshot)
         candidates = [n["backendDOMNodeId"] for n in tree["nodes"]

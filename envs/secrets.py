@@ -72,6 +72,13 @@ def mask(text: str) -> str:
     return text
 
 
+def holding(texts: Sequence[str]) -> set[int]:
+    """The indices of `texts` that show the value of a secret set in this process, in any of `url_forms`: one
+    pass for a page's whole table of strings (`mask` on each would make the forms again for every string)."""
+    forms = [form for _, value in _set() for form in url_forms(value)]
+    return {i for i, text in enumerate(texts) if text and any(form in text for form in forms)} if forms else set()
+
+
 def mask_pieces(texts: Sequence[str]) -> tuple[list[str], set[int]]:
     """`texts` with every secret set in this process that runs across two or more of them masked piece by
     piece (each text's piece replaced by the placeholder), and the indices of the texts that held a piece.

@@ -449,6 +449,43 @@ def test_a_secret_shown_in_pieces_is_masked_and_covered_piece_by_piece(
     assert typed == {f"Digit {i}": "<secret>one_time_code</secret>" for i in range(1, 5)}
 
 
+OFF_THE_TREE = ('<p id="hidden" aria-hidden="true">Card code zq9secretXY</p>'
+                '<input id="pw" type="password" value="zq9secretXY" aria-label="Password">'
+                '<iframe id="pay" style="width:300px;height:120px" srcdoc="'
+                '<p>Code zq9secretXY</p><input aria-label=Code value=zq9secretXY>"></iframe>')
+"""A secret where the accessibility tree does not read it: text the page hides from it, and a payment frame."""
+
+
+@pytest.mark.browser
+def test_a_secret_the_tree_does_not_hold_is_covered_on_the_screenshot(
+        pool: EnvPool, server: AppServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tree is the main frame's, less what `aria-hidden` hides: a code shown in a sign-in or payment frame,
+    or in hidden-from-the-tree text, was on the recorded screenshot (and so in OCR's rows) in clear. Such text
+    is covered (a frame's by the frame's box); a password field's bullets are left as they are."""
+    monkeypatch.setenv("TRAJFORGE_SECRET_CARD_CODE", "zq9secretXY")
+    env = pool.envs[0]
+    env.reset("off-the-tree", server.base_url + "/")
+    env.page.evaluate(f"document.body.insertAdjacentHTML('afterbegin', {json.dumps(OFF_THE_TREE)})")
+    env.page.frame_locator("#pay").get_by_label("Code").wait_for()
+    seen = env.observe()
+    assert "zq9secretXY" not in seen.ax_tree
+    image = Image.open(io.BytesIO(seen.png)).convert("RGB")
+
+    def black(selector: str) -> bool:
+        x, y, w, h = env.page.evaluate(f"""() => {{ const r = document.querySelector('{selector}')
+          .getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; }}""")
+        inside = image.crop((int(x) + 1, int(y) + 1, int(x + w) - 1, int(y + h) - 1))
+        return inside.getcolors() == [(inside.width * inside.height, (0, 0, 0))]
+
+    assert black("#pay")
+    text = env.page.evaluate("""() => { const range = document.createRange();  // the text's own box
+      range.selectNodeContents(document.querySelector('#hidden')); const r = range.getBoundingClientRect();
+      return [r.x, r.y, r.width, r.height]; }""")
+    inside = image.crop((int(text[0]) + 1, int(text[1]) + 1, int(text[0] + text[2]) - 1, int(text[1] + text[3]) - 1))
+    assert inside.getcolors() == [(inside.width * inside.height, (0, 0, 0))]
+    assert not black("#pw")
+
+
 @pytest.mark.browser
 def test_a_page_is_recorded_by_its_path_on_any_port_and_a_secret_sent_by_get_masked(
         pool: EnvPool, server: AppServer, shop: BundledApp, monkeypatch: pytest.MonkeyPatch) -> None:
