@@ -11,12 +11,15 @@ guidance for the checker. A new kind is one class here.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import json
+import tempfile
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -50,9 +53,26 @@ class Site:
     """The environment an episode sees on a pooled browser context (e.g. MiniWoB++'s seeded reset)."""
     launchers: dict[str, str] = field(default_factory=dict)
     """App name or title -> start URL, for the action that opens an app."""
-    shared_state: bool = False
-    """The app keeps one state for every session, which its reset puts back (an app directory reset by a url or
-    a command): one session at a time uses it, since a reset wipes what another session is doing."""
+    shared_state: str | None = None
+    """Where the app keeps one state for every session, which its reset puts back (an app directory reset by a url
+    or a command: its base URL or its folder); None: each session its own. One session at a time uses such a
+    state (`one_session`), since a reset wipes what another session is doing."""
+
+
+@contextmanager
+def one_session(shared_state: str | None) -> Iterator[None]:
+    """Hold the app's shared state (`Site.shared_state`) for one episode, against every other session of this
+    machine: the rollouts of one process (the reference stage replays its viewports side by side, each rollout
+    on contexts of its own) and of its other processes (Dask workers). A lock file of the temporary folder,
+    taken with `flock`, which excludes every other opening of the file, threads' included, and is let go when
+    the process ends however it ends. Workers on other machines are not seen: README "Your own app"."""
+    if shared_state is None:
+        yield
+        return
+    name = hashlib.sha256(shared_state.encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"trajforge-app-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 class AppKind(ABC):
@@ -91,7 +111,7 @@ class AppKind(ABC):
 
 
 def _web_site(spec: AppSpec, base_url: str, wrap: Callable[[BrowserEnv], Any] | None = None, *,
-              shared_state: bool = False) -> Site:
+              shared_state: str | None = None) -> Site:
     """A web app served at `base_url`: every episode starts on its start page, which opens it by title or name."""
     url = base_url + spec.pages[spec.start].url
     site = Site(start_url=lambda q: url, base_url=base_url, launchers={spec.title: url, spec.app: url},
@@ -131,8 +151,10 @@ class AppDirKind(AppKind):
         return self.app_dir.check(checker, params, state)
 
     def serve(self, stack: ExitStack) -> Site:
-        return _web_site(self.spec, stack.enter_context(running(self.app_dir)),
-                         wrap=lambda env: AppDirEnv(env, self.app_dir), shared_state=self.app_dir.reset != "context")
+        app = self.app_dir
+        shared = None if app.reset == "context" else app.serve.base_url or str(app.path.resolve())
+        return _web_site(self.spec, stack.enter_context(running(app)),
+                         wrap=lambda env: AppDirEnv(env, app), shared_state=shared)
 
 
 class MiniWoBKind(AppKind):

@@ -25,10 +25,9 @@ are always rolled (a device's clock alone changes its screens).
 from __future__ import annotations
 
 import json
-import threading
 from collections import Counter
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import polars as pl
 
 from trajforge.envs.apps import UnknownAppError
 from trajforge.envs.browser import BrowserEnv
-from trajforge.envs.kinds import AppKind, kind_for
+from trajforge.envs.kinds import AppKind, kind_for, one_session
 from trajforge.envs.pool import map_envs, warm_envs
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
@@ -270,11 +269,9 @@ def _in_browser(queries: list[Query], kinds: dict[str, AppKind], settings: Rollo
             action_timeout_s=settings.action_timeout_s, apps=launchers,
         ))
 
-        alone = {name: threading.Lock() for name, site in sites.items() if site.shared_state}
-
         def run(env: BrowserEnv, q: Query) -> list[tuple[Episode, list[Step]]]:
             site = sites[q.app]
-            with alone.get(q.app) or nullcontext():  # another context's reset would wipe this episode's state
+            with one_session(site.shared_state):  # another session's reset would wipe this episode's state
                 return attempts(site.wrap(env), q, site.start_url(q))
 
         return map_envs(envs, run, queries)

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
 
@@ -450,6 +451,35 @@ def test_episodes_on_an_app_whose_state_every_session_shares_run_one_at_a_time(c
     verdicts = [counter.check(query.checker, json.loads(query.checker_params_json), json.loads(e.final_state_json))
                 for e in cast(list[Episode], out.rows["episodes"])]
     assert len(verdicts) == 3 and all(holds for holds, _ in verdicts), verdicts
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_rollouts_side_by_side_take_an_apps_shared_state_one_episode_at_a_time(chromium: Path,
+                                                                               tmp_path: Path) -> None:
+    """The reference stage replays its two viewports side by side, each a rollout on contexts of its own, as Dask
+    workers roll shards: the counter's one state is held by one episode at a time across them too (a lock
+    per rollout let the other rollout's reset and Add land mid-episode: counts of 0 or 2)."""
+    shutil.copytree(COUNTER, tmp_path / "counter")
+    raw = yaml.safe_load((tmp_path / "counter" / "spec.yaml").read_text())
+    (tmp_path / "counter" / "spec.yaml").write_text(yaml.safe_dump({**raw, "app": "counter-side"}, sort_keys=False))
+    [counter] = use_app_dirs([tmp_path / "counter"])
+    made = generate_queries([counter], run_id="r", settings=QueryGenSettings(num_queries=1, atomic_per_app=0),
+                            chromium=chromium)
+    [query] = cast(list[Query], made.rows["queries"])
+
+    def night(viewport: str) -> list[Episode]:
+        copies = [query.model_copy(update={"query_id": f"{query.query_id}-{viewport}-{i}"}).model_dump()
+                  for i in range(3)]
+        settings = RolloutSettings(policy="replay", contexts=2, chromium=chromium, viewport=viewport)
+        return cast(list[Episode], rollout(copies, run_id=f"night-{viewport}", settings=settings,
+                                           blobs=BlobStore(tmp_path / "blobs")).rows["episodes"])
+
+    with ThreadPoolExecutor(2) as pool:
+        episodes = [e for run in pool.map(night, ["mobile", "desktop"]) for e in run]
+    verdicts = [counter.check(query.checker, json.loads(query.checker_params_json), json.loads(e.final_state_json))
+                for e in episodes]
+    assert len(verdicts) == 6 and all(holds for holds, _ in verdicts), verdicts
 
 
 def test_a_secret_an_app_echoes_is_kept_as_its_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
