@@ -98,6 +98,13 @@ SYSTEM_BUTTONS = ("Back", "Home", "Menu", "Enter")
 TERMINATE_STATUSES = ("success", "failure")
 MAX_SECONDS = 10.0
 """Longest wait, long press or swipe: a policy must not stall an episode for minutes."""
+MAX_TYPED = 1000
+"""Most characters a `type` action types: the keyboard types a character at a time (2,000 took 7.3 s on a busy
+2-core machine), so a model's runaway text ran into the action's deadline and was recorded as an env fault, the
+episode rerun to the same answer, instead of an invalid action of the policy's."""
+MAX_SCREENS = 100
+"""Longest scroll, in screen heights (widths): Chromium refuses a gesture billions of pixels long ("Invalid
+parameters"), which was an env fault rather than the policy's invalid action."""
 
 _KEY_ALIASES = {
     "ctrl": "Control", "control": "Control", "alt": "Alt", "option": "Alt", "shift": "Shift",
@@ -209,6 +216,11 @@ def validate(action: Any, width: int, height: int, space: Space = "mobile") -> s
     for name in ("duration", "seconds"):
         if name in action and not 0 <= action[name] <= MAX_SECONDS:
             return f"{kind}: {name} must be between 0 and {MAX_SECONDS:g} seconds, got {action[name]}"
+    for name, screen in (("dx", width), ("dy", height)):
+        if kind == "scroll" and name in action and not abs(action[name]) <= MAX_SCREENS * screen:
+            return f"scroll: {name} must be within {MAX_SCREENS} screens ({MAX_SCREENS * screen} px): {action[name]}"
+    if kind == "type" and len(action["text"]) > MAX_TYPED:
+        return f"type: text is {len(action['text'])} characters long, more than {MAX_TYPED}"
     if kind == "system_button" and action["button"] not in SYSTEM_BUTTONS:
         return f"system_button: button must be one of {', '.join(SYSTEM_BUTTONS)}, got {action['button']!r}"
     if kind == "terminate" and action["status"] not in TERMINATE_STATUSES:

@@ -368,6 +368,7 @@ INVALID: dict[str, list[tuple[Any, str]]] = {
         ({"type": "wait", "seconds": 60}, "between 0 and 10"),
         ({"type": "terminate", "status": "maybe"}, "success or failure"),
         ({"type": "type", "text": 5}, "'text' must be a string"),
+        ({"type": "type", "text": "a" * 5000}, "5000 characters long, more than 1000"),
     ],
     "mobile": [
         ({"type": "scroll", "x": 1, "y": 1, "dy": 10}, "'scroll' is a desktop action"),
@@ -389,6 +390,7 @@ INVALID: dict[str, list[tuple[Any, str]]] = {
         ({"type": "key", "keys": ["NoSuchKey"]}, "Unknown key"),
         ({"type": "type", "text": "a", "clear": "yes"}, "'clear' must be true or false"),
         ({"type": "scroll", "x": 1, "y": 1}, "missing argument 'dy'"),
+        ({"type": "scroll", "x": 1, "y": 1, "dy": 1e10}, "dy must be within 100 screens"),  # Chromium refuses it
         ({"type": "drag", "x": 1, "y": 1, "x2": 2}, "missing argument 'y2'"),
     ],
 }
