@@ -9,6 +9,7 @@ or fails under TRAJFORGE_REQUIRE_SERVICES=1).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 import urllib.error
@@ -25,7 +26,7 @@ import yaml
 from trajforge.envs.apps import SESSION_COOKIE, AppServer, BundledApp, UnknownAppError, known_apps, load_app
 from trajforge.envs.apps.shop import app as shop_module
 from trajforge.envs.browser import BrowserEnv
-from trajforge.envs.spec import SpecError, load_spec
+from trajforge.envs.spec import SpecError, load_spec, placeholders
 
 
 def http(server: AppServer, method: str, path: str, session: str | None = None,
@@ -443,11 +444,27 @@ CHECKER_CASES: list[tuple[str, str, dict[str, str], Posts, Posts, str]] = [
      [("/event/delete", {"id": "5"})],
      [("/event/delete", {"id": "5"}), ("/event/delete", {"id": "6"})],
      "but so are 'Farmers market'"),
+    # An edit keeps the event's id: renaming "Book club" is not deleting it, nor is renaming
+    # "Piano lesson" to the asked title and time creating an event.
+    ("calendar", "event_deleted", {"event": "Book club"},
+     [("/event/delete", {"id": "5"})],
+     [("/event/edit", {"id": "5", "title": "Reading circle", "day": "Friday", "time": "19:00"})],
+     "'Book club' is still there: 'Reading circle' Friday 19:00"),
+    ("calendar", "event_created", {"title": "Yoga class", "day": "Thursday", "time": "18:30"},
+     [("/events", {"title": "Yoga class", "day": "Thursday", "time": "18:30"})],
+     [("/event/edit", {"id": "3", "title": "Yoga class", "day": "Thursday", "time": "18:30"})],
+     "'Yoga class' is an event of the initial week, renamed, not a new event"),
     ("notes", "note_created", {"title": "Pasta recipe", "body": "Garlic, chili, lemon zest and parmesan.",
                                "tag": "Recipes"},
      [("/notes", {"title": "Pasta recipe", "body": "Garlic, chili, lemon zest and parmesan.", "tag-recipes": "on"})],
      [("/notes", {"title": "Pasta recipe", "body": "Garlic, chili, lemon zest and parmesan.", "tag-ideas": "on"})],
      "has tags ['Ideas'], not 'Recipes'"),
+    ("notes", "note_created", {"title": "Pasta recipe", "body": "Garlic, chili, lemon zest and parmesan.",
+                               "tag": "Recipes"},
+     [("/notes", {"title": "Pasta recipe", "body": "Garlic, chili, lemon zest and parmesan.", "tag-recipes": "on"})],
+     [("/note/edit", {"id": "4", "title": "Pasta recipe", "body": "Garlic, chili, lemon zest and parmesan.",
+                      "tag-recipes": "on"})],  # "Book recommendations" retitled and rewritten
+     "'Pasta recipe' is an initial note, retitled, not a new note"),
     ("notes", "note_pinned", {"note": "Garden plans"},
      [("/note/pin", {"id": "5", "pinned": "yes"})], [("/note/pin", {"id": "4", "pinned": "yes"})],
      "'Garden plans' is not pinned"),
@@ -508,6 +525,29 @@ def test_every_goal_of_every_app_has_a_checker_case() -> None:
     covered = {(c[0], c[1]) for c in CHECKER_CASES} | {("shop", c) for c in load_app("shop").checkers}
     needed = {(name, checker) for name in known_apps() for checker in load_app(name).checkers}
     assert needed <= covered, needed - covered
+
+
+@pytest.mark.parametrize("name", known_apps())
+def test_no_goal_holds_where_its_task_starts(servers: dict[str, AppServer], name: str) -> None:
+    """Every goal with every value its slots offer fails on the state its task starts from: a goal already met
+    there ("Turn on Wi-Fi" with Wi-Fi on) succeeds for an agent that stops at step 0, a wrong label. Tasks start
+    from the initial state; Harbor ID's all sign in first, so its goals past the sign-in must fail after it too."""
+    app = load_app(name)
+    starts = [("initial", app.initial_state(), app.spec.goal_pages())]
+    if name == "account":
+        post(servers[name], "start-signed-in", "/", SIGN_IN)
+        starts.append(("signed in", state(servers[name], "start-signed-in"), ["profile_saved", "security_saved"]))
+    values = app.spec.slot_values()
+    for where, start, goals in starts:
+        for page in goals:
+            goal = app.spec.pages[page].goal
+            assert goal is not None
+            slots = sorted(set(placeholders(goal.instruction)).union(*map(placeholders, goal.params.values())))
+            for combo in itertools.product(*(values[slot] for slot in slots)):
+                filled = dict(zip(slots, combo))
+                params = {k: v.format_map(filled) for k, v in goal.params.items()}
+                ok, why = app.check(goal.checker, params, start)
+                assert not ok, f"{name}.{page} {filled} holds on the {where} state: {why}"
 
 
 @pytest.mark.parametrize("name", known_apps())

@@ -146,14 +146,16 @@ def test_replay_reaches_every_goal(servers: dict[str, AppServer], env: BrowserEn
 @pytest.mark.parametrize(("value", "clicks_box"), [("on", False), ("off", True)])
 def test_set_checked_clicks_only_when_the_state_differs(servers: dict[str, AppServer], env: BrowserEnv,
                                                          blobs: BlobStore, value: str, clicks_box: bool) -> None:
-    """Wi-Fi starts on: "on" leaves the switch alone (a click would turn it off), "off" clicks it."""
-    server = servers["settings"]
-    query = make_query(server.app.spec, "wifi_saved", pick=["on", "off"].index(value))
-    assert json.loads(query.slots_json)["wifi"] == value
+    """FreshCart's order notifications start on: "on" leaves the box alone (a click would turn them off), "off"
+    clicks it. (The shop's check needs the Save, so "on" is no task done before its first step.)"""
+    server = servers["shop"]
+    query = make_query(server.app.spec, "settings_saved", pick=["on", "off"].index(value))
+    assert json.loads(query.slots_json)["notifications"] == value
     episode, steps = replay(env, server, query, blobs)
     assert episode.status == "terminated" and check_episode(server.app, query, episode)[0]
     targets = [(s.target_role, s.target_name) for s in steps if s.action_type == "click"]
-    assert targets == [("link", "Wi-Fi")] + [("switch", "Wi-Fi")] * clicks_box + [("button", "Save")]
+    assert targets == ([("link", "Settings")] + [("checkbox", "Order notifications")] * clicks_box
+                       + [("button", "Save")])
     said = " ".join(s.thought for s in steps)
     assert ("already on, no click needed" in said) != clicks_box
 

@@ -46,6 +46,9 @@ SEED_EVENTS = [
     _event(6, "Farmers market", "Saturday", "09:30", "Town square"),
 ]
 INITIAL_STATE: dict[str, Any] = {"events": SEED_EVENTS, "next_id": 7}
+SEED_IDS = {e["id"] for e in SEED_EVENTS}
+"""Ids the week starts with. An edit keeps an event's id and may change its title, so "created" and "deleted"
+tell events by id: a renamed event is neither new nor gone."""
 
 NAV = '<nav aria-label="Views"><a href="/">Week</a></nav>'
 
@@ -236,10 +239,13 @@ def _at(events: list[dict[str, Any]]) -> str:
 
 
 def check_event_created(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """An event titled `title` is on `day` at `time`."""
+    """A new event (not one of the initial week, edited) titled `title` is on `day` at `time`."""
     if problem := missing(params, "title", "day", "time"):
         return False, problem
-    found = _titled(state, params["title"])
+    titled = _titled(state, params["title"])
+    found = [e for e in titled if e["id"] not in SEED_IDS]
+    if titled and not found:
+        return False, f"{params['title']!r} is an event of the initial week, renamed, not a new event"
     if any(norm(e["day"]) == norm(params["day"]) and e["time"] == params["time"] for e in found):
         return True, f"{params['title']!r} is on {params['day']} at {params['time']}"
     if not found:
@@ -261,13 +267,19 @@ def check_event_moved(params: dict[str, str], state: dict[str, Any]) -> tuple[bo
 
 
 def check_event_deleted(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """No event titled `event` is left, and every other event of the initial week still is."""
+    """The initial week's event titled `event` is gone (by its id: renamed is not deleted), no event has
+    that title, and every other event of the initial week is still there."""
     if problem := missing(params, "event"):
         return False, problem
-    if found := _titled(state, params["event"]):
-        return False, f"{params['event']!r} is still there ({_at(found)})"
-    ids = {e["id"] for e in state.get("events", [])}
-    lost = [e["title"] for e in SEED_EVENTS if e["id"] not in ids and norm(e["title"]) != norm(params["event"])]
+    target = {e["id"] for e in SEED_EVENTS if norm(e["title"]) == norm(params["event"])}
+    if not target:
+        return False, f"no event of the initial week is titled {params['event']!r}"
+    events = state.get("events", [])
+    if kept := [e for e in events if e["id"] in target or norm(e["title"]) == norm(params["event"])]:
+        where = "; ".join(f"{e['title']!r} {e['day']} {e['time']}" for e in kept)
+        return False, f"{params['event']!r} is still there: {where}"
+    ids = {e["id"] for e in events}
+    lost = [e["title"] for e in SEED_EVENTS if e["id"] not in ids and e["id"] not in target]
     if lost:
         return False, f"{params['event']!r} is gone, but so are {', '.join(map(repr, lost))}"
     return True, f"{params['event']!r} is deleted and the other events are kept"

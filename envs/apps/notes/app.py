@@ -45,6 +45,8 @@ INITIAL_STATE: dict[str, Any] = {
     ],
     "next_id": 7,
 }
+SEED_IDS = {n["id"] for n in INITIAL_STATE["notes"]}
+"""Ids the notes start with: an edit keeps a note's id, so a seed note retitled is not a created note."""
 
 
 def _page(title: str, body: str, status: int = 200, head: str = "") -> Response:
@@ -218,12 +220,14 @@ def _has_tag(note: dict[str, Any], tag: str) -> bool:
 
 
 def check_note_created(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """A note titled `title` says `body` and is tagged `tag`."""
+    """A new note (not one of the initial notes, edited) titled `title` says `body` and is tagged `tag`."""
     if problem := missing(params, "title", "body", "tag"):
         return False, problem
     note = _titled(state, params["title"])
     if note is None:
         return False, f"no note titled {params['title']!r}"
+    if note["id"] in SEED_IDS:
+        return False, f"{params['title']!r} is an initial note, retitled, not a new note"
     if norm(note["body"]) != norm(params["body"]):
         return False, f"{params['title']!r} says {note['body']!r}, not {params['body']!r}"
     if not _has_tag(note, params["tag"]):
