@@ -19,7 +19,8 @@ sampled attempts' seeds and the code. Such a night would repeat those episodes s
 (the bundled apps, MiniWoB++ seeds and the reference path are deterministic, and the response
 cache answers the model), writing every training row a second time. `rollout.reroll_identical`
 rolls them again, for an app whose state changes between nights; Android devices' queries
-are always rolled (a device's clock alone changes its screens).
+are always rolled (a device's clock alone changes its screens). A query of which the warehouse
+holds only some samples (one ended in env faults on all its tries) rolls only the others.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ POLICY_PROMPTS: dict[str, tuple[str, ...]] = {
 
 NOT_ROLLED_AGAIN = "not rolled again: the warehouse holds this query's attempts with the same attempt key"
 """The rollout lineage's count of the queries a night left out as identical to earlier attempts (the report's)."""
+SAMPLES_HELD = "samples not rolled again: held with the same attempt key (their query's other samples rolled)"
+"""The count of a partly held query's samples left out (`RolloutUnit.samples`)."""
 
 
 def spec_hash(app: str) -> str:
@@ -178,8 +181,10 @@ def make_policy(settings: RolloutSettings, spec: AppSpec | None, gateway: Gatewa
 
 def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, settings: RolloutSettings,
             blobs: BlobSink, gateway: Gateway | None = None,
-            guidance: dict[str, tuple[str, str]] | None = None, seed_base: str = "") -> StageOutput:
-    """Run every query of the shard `rollout.samples_per_query` times with the configured policy and viewport.
+            guidance: dict[str, tuple[str, str]] | None = None, seed_base: str = "",
+            samples: dict[str, tuple[int, ...]] | None = None) -> StageOutput:
+    """Run every query of the shard `rollout.samples_per_query` times with the configured policy and viewport
+    (`samples`: query id -> the samples to roll, for a query that needs only some).
 
     `guidance` maps query ids to (guidance id, text): those queries' episodes are guided
     rollouts of the self-evolving loop, and their rows name the guidance. `seed_base` makes
@@ -214,7 +219,7 @@ def rollout(queries: list[Query] | list[dict[str, Any]], *, run_id: str, setting
     def attempts(env: Any, q: Query, start_url: str) -> list[tuple[Episode, list[Step]]]:
         """The query's episodes: each sample's first, and a rerun after each env fault while retries last."""
         runs = []
-        for sample in range(settings.samples_per_query):
+        for sample in (samples or {}).get(q.query_id, range(settings.samples_per_query)):
             draw = draw_for(settings, seed_base, q.query_id, sample)
             for attempt in range(1, settings.max_fault_retries + 2):
                 episode, steps = run_episode(
@@ -301,6 +306,10 @@ class RolloutUnit:
     model: str | None = None
     """The night's policy model as the plan read it (`night_settings` at the checkpoints version its lineage
     names; None: `llm.default`): every shard rolls with the model its attempt key counts."""
+    samples: tuple[int, ...] | None = None
+    """The samples to roll (their indices); None: all `rollout.samples_per_query`. A query whose other samples the
+    warehouse holds with the same attempt key rolls only those it lacks (one ended in env faults on all its
+    tries): the others again would be the same draws, written twice."""
 
 
 def reads_checkpoints(settings: Settings) -> bool:
@@ -416,10 +425,15 @@ def load_queries(ws: Workspace, snapshot: int | None) -> Inputs[RolloutUnit]:
         guide = guidance.get(query.query_id)
         key = attempt_key(query, specs[query.app], ws.settings, settings, guide.text if guide else None, seed_base,
                           reads)
-        if query.app not in on_devices and all((key, sample) in held for sample in range(settings.samples_per_query)):
+        lacking = tuple(sample for sample in range(settings.samples_per_query)
+                        if query.app in on_devices or (key, sample) not in held)
+        if not lacking:
             stats[NOT_ROLLED_AGAIN] += 1
             continue
-        units.append(RolloutUnit(query, guide, seed_base, key, settings.model))
+        if len(lacking) < settings.samples_per_query:
+            stats[SAMPLES_HELD] += settings.samples_per_query - len(lacking)
+        units.append(RolloutUnit(query, guide, seed_base, key, settings.model,
+                                 lacking if len(lacking) < settings.samples_per_query else None))
     return Inputs(units=units, snapshots=snapshots, stats=stats)
 
 
@@ -464,7 +478,8 @@ def run_rollouts(units: list[RolloutUnit], ws: Workspace, run_id: str, _: str) -
     settings = ws.settings.rollout.model_copy(update={"model": units[0].model}) if units else ws.settings.rollout
     guidance = {u.query.query_id: (u.guidance.guidance_id, u.guidance.text) for u in units if u.guidance}
     out = rollout([u.query for u in units], run_id=run_id, settings=settings, blobs=ws.blobs, gateway=ws.gateway,
-                  guidance=guidance, seed_base=units[0].seed_base if units else "")
+                  guidance=guidance, seed_base=units[0].seed_base if units else "",
+                  samples={u.query.query_id: u.samples for u in units if u.samples is not None})
     keys = {u.query.query_id: u.attempt_key for u in units}
     out.rows["episodes"] = [e.model_copy(update={"attempt_key": keys[e.query_id]})  # type: ignore[union-attr]
                             for e in out.rows["episodes"]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
 
 import polars as pl
@@ -23,6 +24,7 @@ from trajforge.llm.local import SMOLLM2_ID, missing_models
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import Settings
+from trajforge.schemas.records import Episode
 
 pytestmark = pytest.mark.browser
 
@@ -119,6 +121,42 @@ def test_sampled_attempts_differ_and_the_same_night_asked_again_is_cached(tmp_pa
     assert all(c["cached"] for s in again.rows["steps"] for c in json.loads(s.model_calls_json))
     new = night("queries@2", "night-2")  # a new night's queries: new draws
     assert not any(c["cached"] for s in new.rows["steps"] for c in json.loads(s.model_calls_json))
+
+
+def test_a_query_with_some_samples_held_rolls_only_the_others(tmp_path, embedded, chromium, shop):
+    """Three samples a query; a finished night holds samples 0 and 2, and sample 1 only as an env fault (its
+    tries ran out): the next plan rolls sample 1 alone, with its own seed. Rolling all three again wrote samples
+    0 and 2 twice, the same draws under new episode ids."""
+    from trajforge.data.catalog import Lineage
+    from trajforge.rollout.stage import SAMPLES_HELD, draw_for, load_queries, run_rollouts
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, llm={"reask": 0}, rollout={
+        "samples_per_query": 3, "temperature": 1.0, "contexts": 1, "chromium": chromium}))
+    run = ws.ledger.open_run("nightly", "night-1").run_id
+
+    def lineage(table: str) -> Lineage:
+        return Lineage(stage="test", run_id=run, commit_key=f"{run}:{table}", config_hash="x", code_version="x")
+
+    query = make_query(shop.spec, "cart").model_copy(update={"run_id": run, "max_steps": 1})
+    snapshot = ws.catalog.commit_rows("queries", [query], lineage("queries"))
+    [unit] = load_queries(ws, snapshot).units
+    assert unit.samples is None
+    now = datetime.now(timezone.utc)
+    ws.catalog.commit_rows("episodes", [Episode(
+        episode_id=f"e{sample}", query_id=query.query_id, app=query.app, instruction=query.instruction, run_id=run,
+        policy="gui_owl_e2e", model_id="m", prompt_version="", viewport="mobile", status=status, num_steps=1,
+        final_url="", final_state_json="{}", started_at=now, finished_at=now, sample=sample,
+        attempt_key=unit.attempt_key) for sample, status in ((0, "terminated"), (1, "env_fault"), (2, "max_steps"))],
+        lineage("episodes"))
+    ws.ledger.finish_run(run, {})
+    again = load_queries(ws, snapshot)
+    [partial] = again.units
+    assert partial.samples == (1,) and again.stats == {SAMPLES_HELD: 2}
+    out = run_rollouts(again.units, ws, "night-2", "shard")
+    episodes = out.rows["episodes"]
+    assert [e.sample for e in episodes if e.status != "env_fault"] == [1]
+    draw = draw_for(ws.settings.rollout, partial.seed_base, query.query_id, 1)
+    assert episodes[-1].seed == (draw.seed if draw else None) and episodes[-1].attempt_key == unit.attempt_key
 
 
 def test_samples_of_a_greedy_or_replayed_policy_are_refused():
