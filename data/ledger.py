@@ -34,7 +34,8 @@ runs = sa.Table(
     sa.Column("run_id", sa.String(80), primary_key=True),
     sa.Column("flow", sa.String(40), nullable=False),
     sa.Column("identity", sa.String(64), nullable=False, doc="Hash of what the run does; a rerun resumes it."),
-    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False,
+              doc="running (a rerun resumes it), done, or abandoned (set aside by a --fresh run: never resumed)."),
     sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("finished_at", sa.DateTime(timezone=True)),
     sa.Column("summary", sa.Text, doc="JSON: table -> snapshot id, and the tag, when finished."),
@@ -111,6 +112,13 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _utc(value: datetime) -> datetime:
+    """A time the database gave back, in UTC. PostgreSQL gives a timestamptz in the session's TimeZone (relabelled
+    as UTC, a server in America/New_York moved the nightly tag a day and the report's stage windows by hours);
+    SQLite gives the naive UTC time it was given."""
+    return value.astimezone(timezone.utc) if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+
+
 class Ledger:
     def __init__(self, url: str, scope: str = ""):
         """`scope` names the warehouse within the database (its catalog and namespace): runs on two warehouses
@@ -138,16 +146,19 @@ class Ledger:
                         ))
 
     def open_run(self, flow: str, identity: str, *, fresh: bool = False) -> Run:
-        """The unfinished run with this identity (resumed), or a new one."""
+        """The unfinished run with this identity (resumed), or a new one.
+
+        `fresh` (`trajforge run --fresh`) sets the unfinished runs of this identity aside as abandoned: left
+        running, the next plain run resumed the old one (its queries, its night's tag) once the fresh one had
+        finished, and retention kept its files for ever as those of a run still to be resumed."""
+        unfinished = (runs.c.flow == flow, runs.c.identity == identity, runs.c.status == "running")
         with self.engine.begin() as conn:
-            if not fresh:
-                row = conn.execute(
-                    sa.select(runs)
-                    .where(runs.c.flow == flow, runs.c.identity == identity, runs.c.status == "running")
-                    .order_by(runs.c.started_at.desc())
-                ).first()
+            if fresh:
+                conn.execute(runs.update().where(*unfinished).values(status="abandoned", finished_at=_now()))
+            else:
+                row = conn.execute(sa.select(runs).where(*unfinished).order_by(runs.c.started_at.desc())).first()
                 if row is not None:
-                    return Run(row.run_id, flow, row.started_at.replace(tzinfo=timezone.utc), resumed=True)
+                    return Run(row.run_id, flow, _utc(row.started_at), resumed=True)
             started = _now()
             run_id = f"{flow}-{started:%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
             conn.execute(
@@ -259,7 +270,7 @@ class Ledger:
             row = conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).first()
         if row is None:
             raise LookupError(f"no run {run_id!r} in the ledger")
-        return Run(row.run_id, row.flow, row.started_at.replace(tzinfo=timezone.utc), resumed=False)
+        return Run(row.run_id, row.flow, _utc(row.started_at), resumed=False)
 
     def finish_run(self, run_id: str, summary: dict[str, Any]) -> None:
         with self.engine.begin() as conn:

@@ -18,8 +18,12 @@ the night's tags keep, so `trajforge export` makes them again) and a failed trai
 asked (`collect_checkpoints`: weights cost a training run to make again), and never the newest of a chain
 (the next night's policy) nor one the config names; their rows stay in the `checkpoints` table.
 
+Half-written temp files (`.NAME.parquet.HEX.tmp`, a run killed mid-write) go with the data files, once older
+than the cutoff.
+
 What an unfinished run may still commit is never removed: files younger than the cutoff, and
-the shard files the run ledger lists for runs not finished (a crashed run resumes from them), and
+the shard files the run ledger lists for runs not finished (a crashed run resumes from them; one that a
+`--fresh` run set aside is finished: nothing resumes it), and
 the versions its stages read (`trajforge run STAGE --input TABLE@VERSION`). Nor
 what it has committed so far, with the versions those were made from: its rerun finds each commit
 by its key and reads its later stages' inputs by version id, so an expired one would be committed
@@ -214,7 +218,11 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
             if not dry_run:
                 catalog.expire_versions(name, expired)
         out.kept_snapshots[name] = len(keep[name])
-        for path in sorted(data_folder(tbl).glob("*.parquet")):  # not data_dir: a read must not evolve a table
+        # Not data_dir: a read must not evolve a table. The temp files of writes a killed run left half done
+        # (`write_parquet_atomic`) go too: no run writes meanwhile (the writer lock), and the cutoff keeps one that a
+        # writer outside it may still be writing (a Dask worker of a run killed under it: its file changes).
+        folder = data_folder(tbl)
+        for path in sorted([*folder.glob("*.parquet"), *folder.glob(".*.parquet.*.tmp")]):
             if path not in live and path not in pending and _old(path, cutoff):
                 out.data_files.append(path)
         # After the expiry's commit the table is read again: that commit wrote the metadata that now holds it.

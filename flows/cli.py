@@ -96,10 +96,12 @@ ConfigOpt = Annotated[
 
 def _use_app_dirs(app_dirs: list[Path], deep_searched: list[str]) -> None:
     """Make the apps of `app_dirs` the configured ones (query_gen.apps, app_dirs, deep_search_apps), before the
-    command reads its settings. As variables in the environment: a run's flows and every worker process read the
+    command reads its settings, and no other: the config's MiniWoB++ and Android tasks too made queries of a night
+    on "your own app only". As variables in the environment: a run's flows and every worker process read the
     config again, and see them."""
     os.environ[f"{ENV_PREFIX}QUERY_GEN__APP_DIRS"] = json.dumps([str(p.resolve()) for p in app_dirs])
-    os.environ[f"{ENV_PREFIX}QUERY_GEN__APPS"] = "[]"
+    for others in ("APPS", "MINIWOB_TASKS", "ANDROID_TASKS"):
+        os.environ[f"{ENV_PREFIX}QUERY_GEN__{others}"] = "[]"
     os.environ[f"{ENV_PREFIX}QUERY_GEN__DEEP_SEARCH_APPS"] = json.dumps(deep_searched)
 
 
@@ -178,7 +180,7 @@ def _no_warehouse(settings: Settings) -> Path | None:
     from trajforge.data.catalog import CATALOG_FILE
 
     wh = settings.warehouse
-    path = wh.path.expanduser().resolve()
+    path = wh.path.resolve()
     return path if wh.catalog_url is None and not (path / CATALOG_FILE).is_file() else None
 
 
@@ -516,6 +518,7 @@ def datasets_expire(
     """Expire old versions (tagged and current ones kept), then remove the data files, Iceberg metadata files and
     screenshot blobs that no remaining version references, and the trainer's old input folders."""
     from trajforge.data.retention import expire
+    from trajforge.llm.cache import ResponseCache
 
     settings, ws = _open_existing(config)
     with ws.ledger.writing("expire"):  # no run commits meanwhile
@@ -526,7 +529,9 @@ def datasets_expire(
         # synth.ocr_cache_url shares with other warehouses is left alone.
         shared = settings.synth.ocr_cache_url is not None
         readings = 0 if shared else ws.ocr.forget({ws.blobs.sha256_of(p) for p in gone.blobs}, dry_run=dry_run)
-        cache = ws.gateway.cache if responses else None
+        # The cache alone, not the gateway: building one checks every endpoint's key variable and checkpoint folder,
+        # and a missing one failed the command after the files above were gone, before it said what went.
+        cache = ResponseCache(ws.catalog.uri) if responses else None
         answers = cache.forget(datetime.now(timezone.utc) - timedelta(days=older_than), dry_run=dry_run) if cache else 0
     table = Table(title="would expire" if dry_run else "expired")
     for col in ("table", "versions expired", "versions kept"):

@@ -27,7 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
+from pathlib import Path
 
 _SERVER_FLAGS = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 """What `SubprocessASGIServer._run_uvicorn_command` sets for its server process (prefect 3.8)."""
@@ -108,12 +110,28 @@ _STARTED: TemporaryServer | None = None
 """The server this process started for its command, if it did."""
 
 
+def _profile_api_url() -> str | None:
+    """The PREFECT_API_URL of Prefect's active profile, where `prefect config set PREFECT_API_URL=...` puts it,
+    found as Prefect finds it (prefect 3.8, `prefect.settings.sources`): the profiles file $PREFECT_PROFILES_PATH,
+    else $PREFECT_HOME/profiles.toml (default ~/.prefect/profiles.toml); the profile $PREFECT_PROFILE names, else
+    the file's `active`. Read here, not through Prefect, whose import would cost the time the early start saves."""
+    home = Path(os.environ["PREFECT_HOME"]) if os.environ.get("PREFECT_HOME") else Path.home() / ".prefect"
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml")
+    try:
+        profiles = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):  # none yet, or one Prefect itself warns about
+        return None
+    active = os.environ.get("PREFECT_PROFILE") or profiles.get("active")
+    return profiles.get("profiles", {}).get(active, {}).get("PREFECT_API_URL") or None
+
+
 def start_for(argv: list[str]) -> TemporaryServer | None:
-    """Start a temporary server when the command is a `run` and no Prefect server is configured
-    (PREFECT_API_URL), and point this process and every process it starts (Dask workers) at it: Prefect reads
-    PREFECT_API_URL when it is imported, which the CLI does later."""
+    """Start a temporary server when the command is a `run` and no Prefect server is configured (PREFECT_API_URL,
+    in the environment or the active Prefect profile), and point this process and every process it starts (Dask
+    workers) at it: Prefect reads PREFECT_API_URL when it is imported, which the CLI does later."""
     global _STARTED
-    if not argv or argv[0] != "run" or {"--help", "-h"} & set(argv) or os.environ.get("PREFECT_API_URL"):
+    if not argv or argv[0] != "run" or {"--help", "-h"} & set(argv) or os.environ.get("PREFECT_API_URL") \
+            or _profile_api_url():
         return None
     _STARTED = TemporaryServer()
     os.environ["PREFECT_API_URL"] = _STARTED.api_url

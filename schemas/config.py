@@ -8,6 +8,8 @@ and the field: a typo in a nightly config must not silently run the defaults.
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib.util
 import json
 import os
 import re
@@ -78,6 +80,16 @@ class _Section(BaseModel):
                 if len(matches) == 1:  # none: the boolean is refused as the wrong type, naming the choices
                     words[name] = matches[0]
         return {**data, **words}
+
+    @field_validator("*")
+    @classmethod
+    def _home_expanded(cls, value: Any) -> Any:
+        """`~` in a path (or a list of paths) a file or a variable gives is the user's home, for every reader of
+        the settings: the catalog took `warehouse.path: ~/tf-wh` as a folder named `~` in the current one and
+        `run` wrote there, while `datasets list`, which expanded it, looked in $HOME."""
+        if isinstance(value, list):
+            return [item.expanduser() if isinstance(item, Path) else item for item in value]
+        return value.expanduser() if isinstance(value, Path) else value
 
 
 class WarehouseSettings(_Section):
@@ -309,14 +321,40 @@ class RunnerSettings(_Section):
         "processes (one thread each).")
 
 
+@functools.cache
+def _croniter() -> Any:
+    """The cron parser Prefect checks a schedule with (the croniter it vendors), loaded from its file: imported as
+    `prefect._vendor.croniter` it imports all of Prefect first (1.2 s against 0.09 s, and config loading is every
+    command's first step), and cronsim, the other parser installed, refuses `@daily`, which Prefect takes."""
+    prefect = importlib.util.find_spec("prefect")
+    assert prefect is not None and prefect.origin is not None  # a dependency
+    spec = importlib.util.spec_from_file_location(
+        "trajforge_prefect_croniter", Path(prefect.origin).parent / "_vendor" / "croniter" / "croniter.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.croniter
+
+
 class ScheduleSettings(_Section):
     cron: str = Field(default="0 2 * * *", description="When `trajforge serve` runs the nightly flow.")
     timezone: str = Field(default="UTC", description="The IANA time zone the cron is read in (Europe/Berlin).")
 
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, cron: str) -> str:
+        """Checked when the config loads as Prefect checks it at `deploy` (`validate_cron_string`, prefect 3.8),
+        which took a bad cron only after it had made the work pool, and died there."""
+        if not _croniter().is_valid(cron):
+            raise ValueError(f"invalid cron {cron!r}; give five fields: minute hour day month weekday (0 2 * * *)")
+        if any(field.casefold() in ("r", "h") for field in cron.split()):
+            raise ValueError(f"cron {cron!r}: Prefect takes no random (R) or hashed (H) fields")
+        return cron
+
     @field_validator("timezone")
     @classmethod
     def _known_zone(cls, zone: str) -> str:
-        """Checked when the config loads, not at `deploy` (the cron is Prefect's to check there)."""
+        """Checked when the config loads, not at `deploy`."""
         try:
             ZoneInfo(zone)
         except (ZoneInfoNotFoundError, ValueError):
@@ -760,6 +798,25 @@ def _variable_of(loc: tuple[Any, ...]) -> str | None:
     return None
 
 
+def _variable_gives(loc: tuple[str, ...]) -> bool:
+    """Whether a set variable gives the value at `loc`: its own (TRAJFORGE_WAREHOUSE__PATH), or a section's whose
+    JSON holds it. TRAJFORGE_WAREHOUSE='{"catalog_url": ...}' gives no path, and the default warehouse stays beside
+    the config file (`_variable_of` names that variable for any field of the section)."""
+    present = {name.upper(): value for name, value in os.environ.items()}
+    for end in range(len(loc), 0, -1):
+        value = present.get(f"{ENV_PREFIX}{'__'.join(loc[:end])}".upper())
+        if value is None:
+            continue
+        if end == len(loc):
+            return True
+        try:
+            if has_path(json.loads(value), loc[end:]):
+                return True
+        except json.JSONDecodeError:  # Settings names the variable that is not JSON
+            continue
+    return False
+
+
 def _sources_of(loc: tuple[Any, ...], path: Path | None) -> str:
     """Where a value at `loc` that no variable gave whole came from: the file, and the set variables below it. A
     section's own check (critics: k against the channels asked) reads fields that either may have given."""
@@ -881,7 +938,7 @@ def load_settings(path: Path | None = None) -> Settings:
         folder = path.resolve().parent
         data = _from_folder(data, Settings, folder)
         warehouse = data.get("warehouse", {})
-        if isinstance(warehouse, dict) and "path" not in warehouse and not _variable_of(("warehouse", "path")):
+        if isinstance(warehouse, dict) and "path" not in warehouse and not _variable_gives(("warehouse", "path")):
             # The file's folder is its project: the default warehouse is there, where a notebook opening the file
             # looks for it (data.notebook.open_catalog).
             data["warehouse"] = warehouse | {"path": str(folder / WarehouseSettings.model_fields["path"].default)}

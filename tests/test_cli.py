@@ -262,6 +262,64 @@ def test_a_config_elsewhere_has_its_warehouse_beside_it_as_in_a_notebook(tmp_pat
     assert not (tmp_path / "store").exists()
 
 
+def test_expire_of_cached_answers_needs_no_model_and_says_what_it_removed(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`datasets expire --responses` built the model gateway to reach its cache, after the files were removed: an
+    endpoint whose key variable is unset here (the worker's environment has it) failed the command with status 1,
+    and what it had removed was never said. In process (typer's runner), as the reading commands above."""
+    from datetime import datetime, timezone
+
+    from typer.testing import CliRunner
+
+    from trajforge.flows.cli import app
+    from trajforge.llm.cache import ResponseCache, responses
+    from trajforge.llm.calls import Completion
+
+    for name in list(os.environ):
+        if name.upper().startswith("TRAJFORGE_") and name.upper() != "TRAJFORGE_REQUIRE_SERVICES":
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("CLI_TEST_PROVIDER_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trajforge.yaml").write_text(
+        "llm:\n  endpoints:\n    vllm:\n      base_url: http://127.0.0.1:9/v1\n      model: m\n"
+        "      api_key_env: CLI_TEST_PROVIDER_KEY\n")
+    queries_warehouse(tmp_path)
+    with Catalog(tmp_path / "data" / "warehouse") as catalog:
+        orphan = catalog.data_dir("queries") / "orphan.parquet"  # no version references it
+        cache = ResponseCache(catalog.uri)
+    orphan.write_bytes(b"PAR1")
+    os.utime(orphan, (0, 0))
+    cache.put("f" * 64, "m", "judge", "1", Completion("an old answer", "stop", 1, 1))
+    with cache.engine.begin() as conn:
+        conn.execute(responses.update().values(created_at=datetime(1999, 1, 1, tzinfo=timezone.utc)))
+    cache.close()
+    result = CliRunner().invoke(app, ["datasets", "expire", "--older-than", "1", "--responses"])
+    assert result.exit_code == 0, result.output
+    assert "removed 1 data files" in result.stdout and "forgot 1 cached model answers" in result.stdout
+    assert not orphan.exists()
+
+
+def test_app_dir_makes_a_night_of_those_apps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run nightly --app-dir DIR` is "a night on your own app only", yet the config's MiniWoB++ and Android tasks
+    stayed asked for, and their queries joined the night."""
+    from trajforge.flows.cli import _use_app_dirs
+    from trajforge.schemas.config import load_settings
+
+    for name in list(os.environ):
+        if name.upper().startswith("TRAJFORGE_") and name.upper() != "TRAJFORGE_REQUIRE_SERVICES":
+            monkeypatch.delenv(name)
+    for name in ("APP_DIRS", "APPS", "DEEP_SEARCH_APPS", "MINIWOB_TASKS", "ANDROID_TASKS"):
+        monkeypatch.setenv(f"TRAJFORGE_QUERY_GEN__{name}", "")  # recorded as unset, so the test's end unsets it
+        monkeypatch.delenv(f"TRAJFORGE_QUERY_GEN__{name}")
+    config = tmp_path / "trajforge.yaml"
+    config.write_text("query_gen:\n  apps: [shop]\n  miniwob_tasks: [click-test]\n  android_tasks:\n"
+                      "    - {instruction: wifi off, start: com.android.settings/.Settings, probe: wifi, value: v}\n")
+    _use_app_dirs([tmp_path / "mine"], [])
+    query_gen = load_settings(config).query_gen
+    assert query_gen.app_dirs == [(tmp_path / "mine").resolve()]
+    assert (query_gen.apps, query_gen.miniwob_tasks, query_gen.android_tasks) == ([], [], [])
+
+
 def test_datasets_show_with_limit_0_gives_the_columns_and_the_row_count(tmp_path: Path, trajforge_cli: str) -> None:
     queries_warehouse(tmp_path)
     proc = run(trajforge_cli, tmp_path, "datasets", "show", "queries", "--limit", "0")
@@ -335,6 +393,35 @@ def prefect_servers(home: Path) -> list[psutil.Process]:
             if proc.environ().get("PREFECT_HOME") == str(home):
                 found.append(proc)
     return found
+
+
+def test_a_run_takes_the_server_the_active_prefect_profile_names(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README offers `prefect config set PREFECT_API_URL=...` for a standing server, yet `trajforge run` looked at
+    the variable alone: it started a temporary server and pointed the night at it, not at the profile's server. The
+    profiles file is the one Prefect's own command writes; a profile without a URL still gets a temporary server."""
+    from types import SimpleNamespace
+
+    from conftest import PREFECT
+
+    from trajforge.flows import prefect_server
+
+    started: list[str] = []
+    monkeypatch.setattr(prefect_server, "_STARTED", None)  # and back to None after the test
+    monkeypatch.setattr(prefect_server, "TemporaryServer",
+                        lambda: started.append("server") or SimpleNamespace(api_url="http://127.0.0.1:1/api"))
+    for name in ("PREFECT_API_URL", "PREFECT_UI_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.setenv(name, "")  # recorded as it was, so the test's end puts back what start_for changes
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"PREFECT_HOME": str(tmp_path)}
+    for args in (("config", "set", "PREFECT_API_URL=http://127.0.0.1:4999/api"), ("profile", "create", "bare")):
+        subprocess.run([PREFECT, *args], env=env, capture_output=True, check=True, timeout=120)
+    assert prefect_server.start_for(["run", "nightly"]) is None
+    assert "PREFECT_API_URL" not in os.environ and started == []
+    monkeypatch.setenv("PREFECT_PROFILE", "bare")
+    assert prefect_server.start_for(["run", "nightly"]) is not None
+    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:1/api" and started == ["server"]
 
 
 def test_a_run_without_a_prefect_server_reports_to_its_own_and_stops_it(tmp_path: Path, trajforge_cli: str) -> None:

@@ -1,5 +1,8 @@
 """Configuration: embedded defaults, file + environment, and errors that name file and field."""
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,25 @@ def test_an_unknown_time_zone_is_refused_when_the_config_loads(tmp_path):
         load_settings(cfg)
     cfg.write_text("schedule:\n  timezone: Europe/Berlin\n")
     assert load_settings(cfg).schedule.timezone == "Europe/Berlin"
+
+
+def test_an_invalid_cron_is_refused_when_the_config_loads_without_importing_prefect(tmp_path):
+    """`deploy` took `cron: "0 2 * *"` only after it had made the work pool, and died there with a ValueError.
+    The config's check is Prefect's own parser, loaded without Prefect: every command loads the config first."""
+    cfg = tmp_path / "trajforge.yaml"
+    for cron in ("0 2 * *", "61 2 * * *", "H 2 * * *", "R 2 * * *"):
+        cfg.write_text(f"schedule:\n  cron: '{cron}'\n")
+        with pytest.raises(ConfigError) as refused:
+            load_settings(cfg)
+        expected = rf"{cfg}: field 'schedule.cron': Value error, .*cron {re.escape(repr(cron))}"
+        assert re.search(expected, str(refused.value)), refused.value
+    cfg.write_text("schedule:\n  cron: '@daily'\n")  # Prefect takes it
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, pathlib; from trajforge.schemas.config import load_settings; "
+         f"print(load_settings(pathlib.Path({str(cfg)!r})).schedule.cron, any(m.startswith('prefect') "
+         "for m in sys.modules))"],
+        capture_output=True, text=True, check=True, timeout=120)
+    assert probe.stdout.split() == ["@daily", "False"]
 
 
 def test_a_k_of_n_consensus_that_no_verdict_can_reach_is_refused(tmp_path):
@@ -233,7 +255,7 @@ def test_relative_paths_in_a_config_file_are_taken_from_its_folder(tmp_path, mon
     assert settings.query_gen.app_dirs == [other / "apps/mine", Path("/srv/app")]
     assert settings.guidance.demonstrations == other / "d.jsonl"
     assert settings.loop.checkpoints_dir == other / "ck"
-    assert settings.llm.local.cache_dir == Path("~/models"), "the home folder's, wherever the file is"
+    assert settings.llm.local.cache_dir == Path.home() / "models", "the home folder's, wherever the file is"
     monkeypatch.setenv("TRAJFORGE_WAREHOUSE__PATH", "elsewhere")  # a variable's path: the current folder's
     assert load_settings(Path("other/trajforge.yaml")).warehouse.path == Path("elsewhere")
     monkeypatch.delenv("TRAJFORGE_WAREHOUSE__PATH")
@@ -244,6 +266,36 @@ def test_relative_paths_in_a_config_file_are_taken_from_its_folder(tmp_path, mon
     assert open_catalog(other / "bare.yaml").warehouse == other / "data" / "warehouse"
     monkeypatch.chdir(tmp_path)
     assert load_settings().warehouse.path == Path("data/warehouse"), "no file: the current folder's"
+
+
+def test_a_home_folder_path_is_the_same_folder_to_every_reader(tmp_path, monkeypatch):
+    """`warehouse.path: ~/tf-wh` stayed `~/tf-wh`: the catalog took it as a folder named `~` in the current one and
+    `run` wrote there, while `datasets list` and notebooks, which expanded it, looked in $HOME."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trajforge.yaml").write_text("warehouse:\n  path: ~/tf-wh\nquery_gen:\n  app_dirs: [~/app]\n")
+    settings = load_settings()
+    assert settings.warehouse.path == home / "tf-wh" and settings.query_gen.app_dirs == [home / "app"]
+    with Catalog.from_settings(settings.warehouse) as catalog:
+        assert catalog.warehouse == home / "tf-wh"
+    assert not (tmp_path / "~").exists()
+    monkeypatch.setenv("TRAJFORGE_WAREHOUSE__PATH", "~/other")
+    assert load_settings().warehouse.path == home / "other"
+
+
+def test_a_warehouse_section_variable_without_a_path_keeps_the_default_warehouse_beside_the_file(tmp_path,
+                                                                                                 monkeypatch):
+    """TRAJFORGE_WAREHOUSE='{"catalog_url": ...}' gives no path, yet the default warehouse went to the current
+    folder instead of the config file's, where a notebook opening the file looks for it."""
+    other = tmp_path.resolve() / "other"
+    other.mkdir()
+    (other / "trajforge.yaml").write_text("rollout:\n  contexts: 2\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAJFORGE_WAREHOUSE", '{"catalog_url": "sqlite:///elsewhere.db"}')
+    assert load_settings(Path("other/trajforge.yaml")).warehouse.path == other / "data" / "warehouse"
+    monkeypatch.setenv("TRAJFORGE_WAREHOUSE", '{"path": "given"}')  # a path the variable gives: the current folder's
+    assert load_settings(Path("other/trajforge.yaml")).warehouse.path == Path("given")
 
 
 def test_a_config_file_hashes_the_same_however_it_is_named(tmp_path, monkeypatch):

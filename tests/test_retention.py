@@ -189,6 +189,33 @@ def test_the_version_an_unfinished_run_reads_stays_though_it_committed_nothing(t
     assert expire(catalog, blobs, ledger, timedelta(0), now=later).snapshots == {"queries": [read]}
 
 
+def test_the_shard_files_of_a_run_a_fresh_run_set_aside_go(tmp_path: Path) -> None:
+    """`run nightly --fresh` left the crashed run unfinished, so its recorded shard files stayed for ever as those
+    of a run still to be resumed; set aside, nothing resumes it and they go like any unreferenced file."""
+    catalog = Catalog(tmp_path / "warehouse")
+    blobs, ledger = BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri)
+    crashed = ledger.open_run("nightly", "night").run_id
+    pending = shard(catalog, "pending", [step_row("s9")])
+    ledger.record_shard(crashed, "rollout", ShardRecord("sh1", {"steps": [str(pending)]}, {}, {}, {}, {}, {}))
+    ledger.open_run("nightly", "night", fresh=True)
+    gone = expire(catalog, blobs, ledger, timedelta(0), now=datetime.now(timezone.utc) + timedelta(seconds=5))
+    assert gone.data_files == [pending] and not pending.exists()
+
+
+def test_a_half_written_data_file_goes_once_older_than_the_cutoff(tmp_path: Path) -> None:
+    """A run killed inside `write_parquet_atomic` leaves `.NAME.parquet.HEX.tmp` beside the data files, which expire
+    never removed. One older than the cutoff goes; a younger one, which a writer may still be writing, stays."""
+    catalog = Catalog(tmp_path / "warehouse")
+    catalog.commit_files("steps", [shard(catalog, "v0", [step_row("s0")])], lineage("v0", stage="rollout"))
+    old, young = (catalog.data_dir("steps") / f".{name}.parquet.0123abcd.tmp" for name in ("old", "young"))
+    for path in (old, young):
+        path.write_bytes(b"PAR1 half a file")
+    made = (datetime.now(timezone.utc) - timedelta(days=8)).timestamp()
+    os.utime(old, (made, made))
+    gone = expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(days=7))
+    assert gone.data_files == [old] and not old.exists() and young.exists()
+
+
 def test_expire_keeps_what_is_younger_than_the_cutoff(tmp_path: Path) -> None:
     catalog = Catalog(tmp_path / "warehouse")
     blobs = BlobStore(catalog.warehouse / "blobs")

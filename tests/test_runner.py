@@ -8,6 +8,7 @@ import uuid
 from datetime import datetime, timezone
 
 import pytest
+import sqlalchemy as sa
 
 from trajforge.data.catalog import Lineage
 from trajforge.llm.workspace import Workspace, code_version
@@ -436,3 +437,37 @@ def test_a_unit_key_done_before_another_key_replaced_it_is_done_again(ws, run_id
         run_all(verdict(state), ws, f"{run_id}-{i}")
     assert calls == ["app0:rejected", "app0:accepted", "app0:rejected"]  # the last: done by the third already
     assert ws.catalog.load("queries")["instruction"].to_list() == ["app0:rejected"]
+
+
+def test_a_fresh_run_sets_the_unfinished_one_aside_for_good(ws):
+    """`run nightly --fresh` left the old unfinished run running: once the fresh run finished, the next plain run
+    resumed the old one (its queries, its night's tag), and retention kept the old run's shard files for ever as
+    those of a run still to be resumed."""
+    from trajforge.data.ledger import ShardRecord
+
+    identity, old_file = f"night-{uuid.uuid4().hex}", f"/old/{uuid.uuid4().hex}.parquet"
+    old = ws.ledger.open_run("nightly", identity)
+    ws.ledger.record_shard(old.run_id, "rollout", ShardRecord("s1", {"steps": [old_file]}, {}, {}, {}, {}, {}))
+    fresh = ws.ledger.open_run("nightly", identity, fresh=True)
+    ws.ledger.finish_run(fresh.run_id, {})
+    again = ws.ledger.open_run("nightly", identity)
+    assert not again.resumed and again.run_id not in (old.run_id, fresh.run_id)
+    assert old.run_id not in ws.ledger.unfinished_runs() and old_file not in ws.ledger.unfinished_files()
+
+
+def test_run_times_read_from_a_postgresql_session_in_another_zone_are_the_times_written(postgres_url):
+    """PostgreSQL gives a timestamptz back in the session's TimeZone: taken as UTC, a server in America/New_York
+    put a night started at 02:00 UTC under the day before's nightly tag and moved the report's stage windows."""
+    from trajforge.data.ledger import Ledger
+
+    ledger = Ledger(f"{postgres_url}?options=-c%20TimeZone%3DAmerica/New_York")
+    try:
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.text("SHOW TimeZone")).scalar() == "America/New_York"
+        identity = f"night-{uuid.uuid4().hex}"
+        run = ledger.open_run("nightly", identity)
+        assert ledger.get_run(run.run_id).started_at == run.started_at
+        resumed = ledger.open_run("nightly", identity)
+        assert resumed.resumed and resumed.started_at == run.started_at
+    finally:
+        ledger.engine.dispose()
