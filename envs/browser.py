@@ -658,7 +658,10 @@ class BrowserEnv:
         # A user's app's recorder (`add_recorder`) stays on its context, and its binding would take the reports a
         # bundled app's page sends its own server: such an episode after one on a user's app gets a fresh context.
         stale_recorder = app_protocol and self._recorder is not None
-        if stale_recorder or self._broken or self._page is None or self._page.is_closed() \
+        # A page the last episode opened (a link to a new tab, `window.open`) would stay open for the run, unseen by
+        # the env, its origin's storage never cleared: such a context is replaced too.
+        opened = self._context is not None and len(self._context.pages) > 1
+        if stale_recorder or opened or self._broken or self._page is None or self._page.is_closed() \
                 or not self._browser_alive() or not await self._clear_storage():
             if stale_recorder:
                 self._recorder = None

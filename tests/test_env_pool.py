@@ -449,6 +449,22 @@ def test_a_secret_shown_in_pieces_is_masked_and_covered_piece_by_piece(
     assert typed == {f"Digit {i}": "<secret>one_time_code</secret>" for i in range(1, 5)}
 
 
+@pytest.mark.browser
+def test_a_page_an_episode_opened_does_not_outlive_it(pool: EnvPool, server: AppServer) -> None:
+    """A link to a new tab opens a page the env does not observe, whose origin's storage no reset clears: the
+    next reset leaves none open (they piled up for the run, a renderer each)."""
+    env = pool.envs[0]
+    env.reset("opener", server.base_url + "/")
+    env.page.evaluate("() => { window.open(location.href); window.open(location.href); }")
+    for _ in range(50):
+        if len(env.page.context.pages) == 3:
+            break
+        time.sleep(0.1)
+    assert len(env.page.context.pages) == 3
+    env.reset("next", server.base_url + "/")
+    assert len(env.page.context.pages) == 1 and env.observe().title.startswith("Home")
+
+
 OFF_THE_TREE = ('<p id="hidden" aria-hidden="true">Card code zq9secretXY</p>'
                 '<input id="pw" type="password" value="zq9secretXY" aria-label="Password">'
                 '<iframe id="pay" style="width:300px;height:120px" srcdoc="'
