@@ -678,7 +678,7 @@ def export_cmd(
         _add_app_dirs(config, app_dir)
     _, ws = _open_existing(config)
     with _usage_errors(ExportError):
-        result = export(ws.catalog, ref, fmt, out, added_only=added)
+        result = export(ws.catalog, ref, fmt, out, added_only=added, viewport=ws.settings.rollout.viewport)
     console.print(f"exported {result.table}@{result.snapshot} as {fmt}: {result.rows} rows, {result.images} images "
                   f"to {result.out} (card: {result.card})", highlight=False)
 

@@ -98,36 +98,41 @@ class Sample:
 
 
 def export(catalog: Catalog, ref: str, fmt: str, out: Path, *, added_only: bool = False,
-           paths_from: Path | None = None) -> ExportResult:
+           paths_from: Path | None = None, viewport: str | None = None) -> ExportResult:
     """Write exactly the version `ref` (TABLE@VERSION: snapshot id, tag or latest) of an SFT table to `out` in
     the trainer format `fmt`; with `added_only`, only the rows the run behind that version wrote (the night's
     data, `Catalog.rows_added`), as the loop trains on.
 
     A JSONL format's image paths are relative to `paths_from` (default `out`): the loop gives the folder its
-    trainer runs in, above each table's, since ms-swift opens a relative path from where it runs."""
+    trainer runs in, above each table's, since ms-swift opens a relative path from where it runs.
+
+    verl needs `viewport`, the user's `rollout.viewport`: its prompts give the screen size and action space a
+    rollout of theirs starts in."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     if fmt == "verl":
         if added_only:
             raise ExportError(f"{ref}: verl exports a queries version whole; only an SFT table's export takes the "
                               "rows its run added")
+        if viewport is None:
+            raise ExportError(f"{ref}: the verl export needs the viewport rollouts run in (rollout.viewport)")
         from trajforge.synth.verl import export_verl
 
-        return export_verl(catalog, ref, out)
+        return export_verl(catalog, ref, out, viewport=viewport)
     name = ref.partition("@")[0]
     if name not in SFT_TABLES:
         applies = ("none yet (an RL table: read its version from the catalog; verl takes queries@VERSION)"
                    if name in RL_TABLES else "none (it is not a training table)")
         raise ExportError(f"{ref}: {fmt} exports SFT tables only ({', '.join(sorted(SFT_TABLES))}); "
                           f"formats for {name!r}: {applies}")
-    table, snapshot, samples = _samples(catalog, ref, added_only)
+    table, snapshot, frame, samples = _samples(catalog, ref, added_only)
     out = Path(out)
     with staged(out) as tmp:
         prefix = "" if paths_from is None else f"{Path(os.path.relpath(out, paths_from)).as_posix()}/"
         notes = _write_hf(tmp, samples) if fmt == "hf" else _write_jsonl(tmp, samples, table, fmt, prefix)
         if added_only:
             notes.append(f"Only the {len(samples)} rows the run behind snapshot {snapshot} added to the table.")
-        write_card(tmp, catalog, table, snapshot, rows=len(samples), fmt=fmt, extra=notes)
+        write_card(tmp, catalog, table, snapshot, rows=frame, fmt=fmt, extra=notes)
     return ExportResult(out=out, table=table, snapshot=snapshot, rows=len(samples),
                         images=sum(len(s.images) for s in samples), card=out / "README.md")
 
@@ -140,7 +145,7 @@ def text_samples(catalog: Catalog, ref: str, reader: OcrReader, *, added_only: b
     train_reasoning) gets that step's accessibility tree beside it: what the gateway showed the embedded model
     at rollout (`OcrReader.as_text`). The night's screens are in the OCR cache already, so this reads no new
     image."""
-    table, _, samples = _samples(catalog, ref, added_only)
+    table, _, _, samples = _samples(catalog, ref, added_only)
     trees = _ax_trees(catalog, {s.meta["step_id"] for s in samples if "step_id" in s.meta and len(s.images) == 1})
     out: list[dict[str, Any]] = []
     for s in samples:
@@ -155,8 +160,9 @@ def text_samples(catalog: Catalog, ref: str, reader: OcrReader, *, added_only: b
     return out
 
 
-def _samples(catalog: Catalog, ref: str, added_only: bool) -> tuple[str, int, list[Sample]]:
-    """The table, snapshot and checked rows of `ref`: all of them, or with `added_only` those its run added."""
+def _samples(catalog: Catalog, ref: str, added_only: bool) -> tuple[str, int, pl.DataFrame, list[Sample]]:
+    """The table, snapshot, rows and checked samples of `ref`: all of its rows, or with `added_only` those its run
+    added."""
     table, snapshot = resolve_version(catalog, ref)
     if added_only and catalog.lineage(table, snapshot) is None:  # rows_added would give every row
         raise ExportError(f"{ref}: snapshot {snapshot} was not written by a stage, so which rows its run added is "
@@ -165,7 +171,7 @@ def _samples(catalog: Catalog, ref: str, added_only: bool) -> tuple[str, int, li
     if frame.is_empty():  # a trainer fails on an empty file (datasets' JSON loader, verl's empty dataloader)
         raise ExportError(f"{ref}: no rows to export" + (f" (the run behind snapshot {snapshot} added none)"
                                                          if added_only else ""))
-    return table, snapshot, [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
+    return table, snapshot, frame, [_sample(row, f"{table}@{snapshot}") for row in frame.iter_rows(named=True)]
 
 
 def _ax_trees(catalog: Catalog, step_ids: set[str]) -> dict[str, str]:
@@ -292,8 +298,12 @@ def _write_hf(out: Path, samples: list[Sample]) -> list[str]:
         **{k: [s.meta.get(k) for s in samples] for k in meta},
     }
     Dataset.from_dict(data, features=features).save_to_disk(str(out))
-    return [("Open with `datasets.load_from_disk(<this folder>)`; TRL's SFTTrainer takes it as is (`messages` "
-             "with `{type: image}` placeholders, filled from `images` in order)."), *_weight_note(samples)]
+    return [("Open with `datasets.load_from_disk(<this folder>)`; TRL's SFTTrainer reads it as it is (`messages` "
+             "with `{type: image}` placeholders, filled from `images` in order), and by default learns the prompt's "
+             "tokens too: to learn the answers only, set `SFTConfig(assistant_only_loss=True)`, which needs a chat "
+             "template with `{% generation %}` markers (TRL 1.16 patches in its own for the templates it knows; "
+             "else give one with `chat_template_path`) and, for images, transformers >= 5.18."),
+            *_weight_note(samples)]
 
 
 def _weight_note(samples: list[Sample]) -> list[str]:
@@ -307,22 +317,22 @@ def _weight_note(samples: list[Sample]) -> list[str]:
 # ---------------------------------------------------------------- the dataset card
 
 
-def write_card(out: Path, catalog: Catalog, table: str, snapshot: int, *, rows: int, fmt: str,
+def write_card(out: Path, catalog: Catalog, table: str, snapshot: int, *, rows: pl.DataFrame, fmt: str,
                extra: Sequence[str] = ()) -> Path:
     """`out/README.md`: a Hugging Face dataset card saying which version this is, what is in it, where it came
-    from and under which licences, so a model trained on it can be traced back and published honestly."""
+    from and under which licences, so a model trained on it can be traced back and published honestly. Counts and
+    mixes are of `rows`, the rows exported: with `--added` (every loop export) part of the version's."""
     info = catalog.info(table, snapshot)
     lineage = catalog.lineage(table, snapshot)
-    frame = catalog.scan(table, snapshot)
-    columns = frame.collect_schema().names()
+    columns = rows.columns
     links = [c for c in ("source_id", *sorted({r.key for r in RECORDS.values()})) if c in columns]
-    data = frame.select(*[c for c in MIX_COLUMNS if c in columns], *links).collect()
+    data = rows.select(*[c for c in MIX_COLUMNS if c in columns], *links)
     front = {"license": "other", "license_name": "mixed-see-licence-notes", "pretty_name": f"trajforge {table}",
              "task_categories": ["image-text-to-text"], "tags": ["gui-agent", "trajforge", table, fmt]}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {table}", "",
              f"- version: snapshot {snapshot}; tags: {', '.join(info.tags) or 'none'}; "
              f"committed {info.committed_at.isoformat()}",
-             f"- format: {fmt}", f"- rows: {rows}"]
+             f"- format: {fmt}", f"- rows: {rows.height}"]
     lines += [_mix(data, c, "") for c in MIX_COLUMNS if c in columns]
     lines += _upstream_mix(catalog, table, data, links, lineage)
     lines += ["", "## Lineage", "", *_lineage_lines(lineage), "", "## Licence notes", "",

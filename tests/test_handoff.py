@@ -198,21 +198,27 @@ def test_a_non_empty_folder_is_refused_and_left_untouched(night, tmp_path):
     assert export(catalog, f"{TABLE}@{tag}", "ms-swift", out).rows > 0
 
 
-def test_a_reasoning_written_with_the_answer_shown_is_told_apart_in_every_format(tmp_path):
-    """train_reasoning mixes reasoning a model found (rejection-sampled) with reasoning written to a trusted action
-    it was shown: each trainer format carries `hint_style` and `hinted_with_answer`, so a job can leave the
-    rationalisations out or weigh them apart."""
+def commit_reasoning(catalog: Catalog, run_id: str, styles: list[str]) -> None:
+    """One train_reasoning row per hint style (its sample_id), committed by run `run_id` as the stage does."""
     buffer = io.BytesIO()
     Image.new("RGB", (28, 28), "white").save(buffer, format="PNG")
     messages = json.dumps([
         {"role": "user", "content": [{"type": "text", "text": "Open the cart."}, {"type": "image"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "<thinking>Tap Cart.</thinking>"}]}])
-    rows = [ReasoningChat(run_id="r", sample_id=style, source_id=f"reasoning:{style}", messages_json=messages,
+    rows = [ReasoningChat(run_id=run_id, sample_id=style, source_id=f"reasoning:{style}", messages_json=messages,
                           images=[buffer.getvalue()], tag="t", hint_style=style, hinted_with_answer=style == "hinted")
-            for style in ("cot", "hinted")]
+            for style in styles]
+    catalog.commit_rows("train_reasoning", rows, Lineage(stage="reasoning", run_id=run_id,
+                                                         commit_key=f"{run_id}/reasoning", config_hash="c",
+                                                         code_version="v"))
+
+
+def test_a_reasoning_written_with_the_answer_shown_is_told_apart_in_every_format(tmp_path):
+    """train_reasoning mixes reasoning a model found (rejection-sampled) with reasoning written to a trusted action
+    it was shown: each trainer format carries `hint_style` and `hinted_with_answer`, so a job can leave the
+    rationalisations out or weigh them apart."""
     catalog = Catalog(tmp_path / "warehouse")
-    catalog.commit_rows("train_reasoning", rows, Lineage(stage="reasoning", run_id="r", commit_key="r/reasoning",
-                                                         config_hash="c", code_version="v"))
+    commit_reasoning(catalog, "r", ["cot", "hinted"])
     want = {"cot": ("cot", False), "hinted": ("hinted", True)}
     for fmt in ("ms-swift", "llamafactory"):
         out = export(catalog, "train_reasoning@latest", fmt, tmp_path / fmt).out
@@ -221,6 +227,27 @@ def test_a_reasoning_written_with_the_answer_shown_is_told_apart_in_every_format
     ds = datasets.load_from_disk(str(export(catalog, "train_reasoning@latest", "hf", tmp_path / "hf").out))
     assert ds.features["hinted_with_answer"].dtype == "bool"
     assert {r["sample_id"]: (r["hint_style"], r["hinted_with_answer"]) for r in ds} == want
+
+
+def test_the_card_of_the_rows_a_run_added_counts_those_rows_only(tmp_path):
+    """`--added` (every loop export) writes the night's rows of a version that holds every night's: the card's
+    mixes counted the whole version beside "rows:" of the exported ones, so a night of hinted reasoning read as
+    mostly found."""
+    catalog = Catalog(tmp_path / "warehouse")
+    commit_reasoning(catalog, "night-1", ["cot", "found", "more"])
+    commit_reasoning(catalog, "night-2", ["hinted"])
+    card = export(catalog, "train_reasoning@latest", "ms-swift", tmp_path / "out", added_only=True).card.read_text()
+    assert "- rows: 1\n" in card and "- hint_style mix: hinted 1\n" in card, card
+
+
+def test_the_hf_card_says_how_to_learn_the_answers_only(tmp_path):
+    """TRL's SFTTrainer learns a `messages` dataset's prompt tokens too unless told otherwise: the card said it took
+    the export as is."""
+    catalog = Catalog(tmp_path / "warehouse")
+    commit_reasoning(catalog, "r", ["cot"])
+    card = export(catalog, "train_reasoning@latest", "hf", tmp_path / "hf").card.read_text()
+    assert "learns the prompt's tokens too" in card and "SFTConfig(assistant_only_loss=True)" in card
+    assert "{% generation %}" in card
 
 
 def test_a_crash_while_writing_leaves_nothing(tmp_path):

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pytest
 from conftest import REPLAY_NIGHT_CONFIG, require
+from test_handoff import commit_reasoning
 from test_pipeline import by_policy, cli, workspace
 
-from trajforge.data.catalog import Lineage, commit_key
+from trajforge.data.catalog import Catalog, Lineage, commit_key
 from trajforge.flows.pipeline import run_identity
 from trajforge.flows.stages import stages
 from trajforge.llm.local import missing_models, smollm2_folder
@@ -22,7 +24,7 @@ from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ConfigError, LocalModelSettings, Settings, load_settings
 from trajforge.synth.handoff import SFT_TABLES
 from trajforge.tasks.runner import commit, plan, run_shard
-from trajforge.train.stage import TrainerError, base_folder, folder_hash, run_trainer
+from trajforge.train.stage import TrainerError, TrainUnit, base_folder, folder_hash, run_trainer, write_data
 
 pytestmark = pytest.mark.browser
 
@@ -177,6 +179,25 @@ def test_a_train_stage_that_died_after_its_commit_finishes_on_rerun_without_trai
     assert again.pending == [] and again.input_stats["nights already trained on (their checkpoint is registered)"]
     assert commit(again, ws) == {"checkpoints": landed} == ws.ledger.committed(run_id, "train")
     assert ws.catalog.load("checkpoints").height == 2  # the night's, and this stage's once
+
+
+def test_only_a_llamafactory_export_is_registered_in_the_data_folders_dataset_info(tmp_path, monkeypatch):
+    """`datasets`' save_to_disk writes a dataset_info.json of its own in each `hf` table folder: read as LLaMA-Factory's
+    registry, its description fields were merged into `{data}/dataset_info.json`, a file no trainer of `hf` wants."""
+    monkeypatch.setattr("trajforge.train.stage.text_samples", lambda *args, **kwargs: [])  # no OCR: not tested here
+    catalog = Catalog(tmp_path / "warehouse")
+    commit_reasoning(catalog, "r", ["cot"])
+    unit = TrainUnit(versions={"train_reasoning": catalog.version("train_reasoning", None)}, base="b",
+                     base_model_id="b", root_model_id="b")
+    for fmt in ("hf", "llamafactory"):
+        ws = SimpleNamespace(catalog=catalog, settings=Settings(loop={"train_format": fmt}),
+                             gateway=SimpleNamespace(ocr=None))
+        write_data(ws, unit, tmp_path / fmt)
+        assert (tmp_path / fmt / "train_reasoning").is_dir()
+    assert not (tmp_path / "hf" / "dataset_info.json").exists()
+    registered = json.loads((tmp_path / "llamafactory" / "dataset_info.json").read_text())
+    assert list(registered) == ["train_reasoning"]
+    assert registered["train_reasoning"]["file_name"] == "train_reasoning/train.jsonl"
 
 
 def test_a_trainer_program_that_cannot_run_is_named(tmp_path):

@@ -74,10 +74,15 @@ for i in range(len(data)):
     item = data[i]
     images = [p["image"].size for m in item["raw_prompt"] if isinstance(m["content"], list)
               for p in m["content"] if p["type"] == "image"]
-    no_state = score(data_source=item["data_source"], solution_str="", ground_truth=item["reward_model"]["ground_truth"],
-                     extra_info=item["extra_info"])
-    rows.append({"query_id": item["extra_info"]["query_id"], "images": images, "roles": [m["role"] for m in item["raw_prompt"]],
-                 "no_state": no_state})
+    args = {"data_source": item["data_source"], "solution_str": "",
+            "ground_truth": item["reward_model"]["ground_truth"]}
+    try:
+        no_state = score(**args, extra_info=item["extra_info"])
+    except Exception as exc:
+        no_state = type(exc).__name__
+    empty = score(**args, extra_info={**item["extra_info"], "final_state": {}})
+    rows.append({"query_id": item["extra_info"]["query_id"], "images": images,
+                 "roles": [m["role"] for m in item["raw_prompt"]], "no_state": no_state, "empty_state": empty})
 print(json.dumps(rows))
 """
 
@@ -151,12 +156,13 @@ def test_verl_reads_the_export_with_its_own_dataset_and_reward_loader(replay_nig
     cwd, tag = replay_night
     catalog = workspace(cwd).catalog
     queries = catalog.load(f"queries@{tag}")
-    out = export(catalog, f"queries@{tag}", "verl", tmp_path / "verl").out
+    out = export(catalog, f"queries@{tag}", "verl", tmp_path / "verl", viewport="mobile").out
     site = _install(VERL, tmp_path / "site")
     loaded = _run(VERL_LOAD, [str(out), str(tmp_path / "scratch")], [site, Path(__file__).parent], tmp_path)
     assert sorted(r["query_id"] for r in loaded) == sorted(queries["query_id"].to_list())
     for r in loaded:
         # verl put the start screen where <image> was, as a decoded image of the app's viewport.
         assert r["roles"] == ["system", "user"] and len(r["images"]) == 1 and r["images"][0][0] > 0
-        # verl's loader found compute_score; with no final state to check, the answer scores nothing.
-        assert r["no_state"] == 0.0
+        # verl's loader found compute_score. The row's extra_info as stored has no final state: that raises, as a
+        # run whose rewards were all 0.0 would learn nothing without saying so; a state the checker rejects is 0.0.
+        assert r["no_state"] == "FinalStateMissing" and r["empty_state"] == 0.0

@@ -171,12 +171,13 @@ def write_data(ws: Workspace, unit: TrainUnit, data: Path) -> int:
     data.mkdir(parents=True)
     samples = 0
     registered: dict[str, Any] = {}
+    fmt = ws.settings.loop.train_format
     with (data / "text.jsonl").open("w", encoding="utf-8") as f:
         for ref in unit.trained_on:
             table = ref.partition("@")[0]
-            export(ws.catalog, ref, ws.settings.loop.train_format, data / table, added_only=True, paths_from=data)
-            if (info := data / table / "dataset_info.json").is_file():
-                registered |= json.loads(info.read_text())
+            export(ws.catalog, ref, fmt, data / table, added_only=True, paths_from=data)
+            if fmt == "llamafactory":  # hf's save_to_disk writes a dataset_info.json of its own, no registry
+                registered |= json.loads((data / table / "dataset_info.json").read_text())
             for sample in text_samples(ws.catalog, ref, ws.gateway.ocr, added_only=True):
                 f.write(json.dumps(sample, ensure_ascii=False) + "\n")
                 samples += 1
