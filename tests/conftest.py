@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from trajforge.schemas.records import Query
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 """This process's pytest-xdist worker name (gw0, gw1, ...); None in a run without workers."""
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"trajforge-prefect-{WORKER or 'main'}-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)  # 6 MB a run, else left behind
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
