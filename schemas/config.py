@@ -802,19 +802,15 @@ def _variable_gives(loc: tuple[str, ...]) -> bool:
     """Whether a set variable gives the value at `loc`: its own (TRAJFORGE_WAREHOUSE__PATH), or a section's whose
     JSON holds it. TRAJFORGE_WAREHOUSE='{"catalog_url": ...}' gives no path, and the default warehouse stays beside
     the config file (`_variable_of` names that variable for any field of the section)."""
-    present = {name.upper(): value for name, value in os.environ.items()}
-    for end in range(len(loc), 0, -1):
-        value = present.get(f"{ENV_PREFIX}{'__'.join(loc[:end])}".upper())
-        if value is None:
-            continue
-        if end == len(loc):
-            return True
-        try:
-            if has_path(json.loads(value), loc[end:]):
-                return True
-        except json.JSONDecodeError:  # Settings names the variable that is not JSON
-            continue
-    return False
+    if (name := _variable_of(loc)) is None:
+        return False
+    given = len(name[len(ENV_PREFIX):].split("__"))  # how much of `loc` the variable's name says
+    if given == len(loc):
+        return True
+    try:
+        return has_path(json.loads(os.environ[name]), loc[given:])
+    except json.JSONDecodeError:  # Settings names the variable that is not JSON
+        return False
 
 
 def _sources_of(loc: tuple[Any, ...], path: Path | None) -> str:
