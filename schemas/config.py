@@ -611,7 +611,8 @@ class SynthSettings(_Section):
     reweight_min: float = Field(default=0.25, gt=0, description="Filter 3: the smallest weight (the easiest tasks).")
     reweight_max: float = Field(default=4.0, gt=0, description="Filter 3: the largest weight (the hardest tasks).")
     match_tolerance_px: float = Field(
-        default=14.0, ge=0, description="A predicted point matches within this many pixels of the target's box.")
+        default=14.0, ge=0, description="Without a target box, a predicted point matches within "
+        "this many pixels of the trusted point (with one it must be inside the box); also a drag's drop point.")
     points: Literal["names", "elements", "free"] = Field(
         default="names", description="Where the synthesis stages' predictions of a trusted action may point "
         "(reasoning_act, pal_ui_act, ces_executor), held there while decoding: names, a click names an on-screen "

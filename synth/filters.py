@@ -13,7 +13,8 @@ the same code, and each decision comes with its reason (the stage counts it in t
    longest first, so "Add to cart" is not also "Cart"; "the search box" is the field "Search dishes";
    a typed text or key goes to the focused field) but not the one the action hit, or,
    in its words besides those names (a "Done" button is no "done"), it names a kind of
-   action (type, scroll, ...) but not the one taken.
+   action (type, scroll, ...) but not the one taken. A terminate word after a form of "be"
+   describes a thing, not a decision to stop ("The form is complete, so I submit it.").
 3. **Task re-weighting by p_succ** (`synth.reweight_*`): each row's `weight` is
    (1 - p + s) / (1 - p_mean + s), clipped to [reweight_min, reweight_max], where p is its
    query's success rate over every attempt so far, p_mean the mean over the queries
@@ -51,6 +52,8 @@ VERBS: dict[str, tuple[str, ...]] = {
 }
 """Kinds of action a thought can name, and the action types each covers (below). "enter" names both: text is
 entered, and so is a page ("Enter the Settings page." decides a click)."""
+BE = frozenset({"is", "are", "was", "were", "be", "been"})
+"""Words after which a terminate word is a predicate ("the form is complete", "we are done"), not the action."""
 KIND_OF = {"click": "click", "double_click": "click", "long_press": "click", "right_click": "click",
            "middle_click": "click", "type": "type", "scroll": "scroll", "swipe": "scroll", "drag": "scroll",
            "terminate": "terminate"}
@@ -121,7 +124,8 @@ def consistent(thought: str, action_type: str, target_name: str | None, ax_tree:
     except ValueError:
         nodes = []
     named, rest = _names(thought, nodes)
-    words = set(rest.split())
+    tokens = rest.split()
+    words = {w for i, w in enumerate(tokens) if not (w in VERBS["terminate"] and i and tokens[i - 1] in BE)}
     kind = KIND_OF.get(action_type)
     named_kinds = {k for k, verbs in VERBS.items() if words & set(verbs)}
     if kind is not None and named_kinds and kind not in named_kinds:

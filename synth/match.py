@@ -20,8 +20,9 @@ from trajforge.envs import actions
 TEXT_F1 = 0.5
 """Text arguments match when their token F1 is above this (paper: PAL-UI 4.1, Agentic-Q)."""
 TOLERANCE_PX = 14.0
-"""A point matches within this many pixels of the target box (or of the trusted point, without a box): a
-fingertip's width on a 390-pixel-wide phone screen."""
+"""Without a target box, a point matches within this many pixels of the trusted point: a fingertip's width on a
+390-pixel-wide phone screen. With a box the point must be inside it: a prediction held to element centres
+(`synth.points`) lands inside the box or on another element's centre, which a margin would only admit."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _near(point: tuple[float, float], box: list[float] | None, trusted: tuple[fl
     x, y = point
     if box is not None:
         bx, by, bw, bh = box
-        inside = bx - tolerance <= x <= bx + bw + tolerance and by - tolerance <= y <= by + bh + tolerance
+        inside = bx <= x <= bx + bw and by <= y <= by + bh
         return inside, f"point ({x:.0f}, {y:.0f}) {'inside' if inside else 'outside'} the target box {box}"
     if trusted is None:
         return False, "the trusted action has no point"
@@ -60,7 +61,8 @@ def _near(point: tuple[float, float], box: list[float] | None, trusted: tuple[fl
 def match(predicted: dict[str, Any], trusted: dict[str, Any], *, target_box: list[float] | None = None,
           tolerance: float = TOLERANCE_PX, min_f1: float = TEXT_F1) -> Match:
     """Does `predicted` do what `trusted` does? Types (aliases resolved) must agree, then each argument the
-    type has: its point near the target (and a drag's drop point near the trusted one), its text (F1 >
+    type has: its point inside the target box, or within `tolerance` of the trusted point when the step recorded
+    no box (and a drag's drop point within `tolerance` of the trusted one), its text (F1 >
     `min_f1`), a scroll's or swipe's direction, its keys, button or status."""
     kind, want = actions.normalize(predicted).get("type"), actions.normalize(trusted).get("type")
     if kind != want:

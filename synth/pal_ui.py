@@ -72,16 +72,17 @@ class Deliberation(BaseModel):
 
 
 def deliberation_schema(step: int) -> dict[str, Any]:
-    """`Deliberation` as a JSON schema with bounded texts and `retrieve` among the earlier steps 0..step-1, for
-    backends that constrain decoding; the strict parse and the range check still run on every answer, since a
-    backend that cannot constrain may give any integer."""
+    """`Deliberation` as a JSON schema with bounded texts and `retrieve` among the earlier steps 0..step-1 (only
+    null at step 0, which has none: `pal_ui.min_step` 0), for backends that constrain decoding; the strict parse
+    and the range check still run on every answer, since a backend that cannot constrain may give any integer."""
     text = {"type": "string", "minLength": 1}
+    earlier = [{"type": "integer", "minimum": 0, "maximum": step - 1}] if step > 0 else []
     return {"type": "object", "properties": {
         "history_revision": {**text, "maxLength": REVISION_CHARS},
         "candidates": {"type": "array", "items": {**text, "maxLength": CANDIDATE_CHARS}, "minItems": 1,
                        "maxItems": CANDIDATES},
         "confidence": {**text, "maxLength": CONFIDENCE_CHARS},
-        "retrieve": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": max(step - 1, 0)}, {"type": "null"}]}},
+        "retrieve": {"anyOf": [*earlier, {"type": "null"}]}},
         "required": ["history_revision", "candidates", "confidence", "retrieve"], "additionalProperties": False}
 
 

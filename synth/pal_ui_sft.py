@@ -208,9 +208,9 @@ def pal_ui_sft_summary(stats: dict[str, int]) -> str | None:
 
 def load_passes(ws: Workspace, snapshot: int | None) -> Inputs[PalUITeacher]:
     """The kept passes of the run that wrote this version of `pal_ui_teacher`; the others counted by reason. The
-    episodes `pal_ui_sft` holds chat samples of that this version holds no kept pass of (`pal_ui` withdrew them, the
-    critics having since rejected the episode, or did them again and its teacher matched none of the new passes)
-    are withdrawn here too, so their chat samples go with their passes."""
+    episodes `pal_ui_sft` holds chat samples of that this version (and the latest, see `_taken_out`) holds no kept
+    pass of (`pal_ui` withdrew them, the critics having since rejected the episode, or did them again and its
+    teacher matched none of the new passes) are withdrawn here too, so their chat samples go with their passes."""
     rows, snapshot = ws.catalog.rows_added("pal_ui_teacher", snapshot)
     inputs = Inputs[PalUITeacher](units=[], snapshots={"pal_ui_teacher": snapshot},
                                   withdrawn=dict.fromkeys(_taken_out(ws, snapshot), "no kept teacher pass left"))
@@ -228,15 +228,20 @@ def load_passes(ws: Workspace, snapshot: int | None) -> Inputs[PalUITeacher]:
 
 
 def _taken_out(ws: Workspace, snapshot: int) -> set[str]:
-    """The episodes `pal_ui_sft` holds chat samples of and this version of `pal_ui_teacher` holds no kept pass of.
-    By state, not by the change from the version before: a `pal_ui` run that `pal_ui_sft` did not follow is seen
-    by the next one. `pal_ui_sft` is read at its latest and not named in the lineage: it is the stage's own output.
-    """
+    """The episodes `pal_ui_sft` holds chat samples of and neither this version of `pal_ui_teacher` nor its latest
+    holds a kept pass of. By state, not by the change from the version before: a `pal_ui` run that `pal_ui_sft` did
+    not follow is seen by the next one. `pal_ui_sft` is read at its latest and not named in the lineage: it is the
+    stage's own output. The latest teacher version only holds withdrawals back: a rerun on an older night
+    (`--input pal_ui_teacher@VERSION`) leaves the chat samples of later nights' kept passes alone, which that
+    version, older than them, does not hold."""
     if "pal_ui_sft" not in ws.catalog.tables():
         return set()
     held = ws.catalog.scan("pal_ui_sft").select("episode_id").unique().collect()["episode_id"]
-    kept = ws.catalog.scan("pal_ui_teacher", snapshot).filter(pl.col("kept")).select("episode_id").unique().collect()
-    return set(held) - set(kept["episode_id"])
+    kept: set[str] = set()
+    for version in {snapshot, ws.catalog.version("pal_ui_teacher", None)}:
+        passes = ws.catalog.scan("pal_ui_teacher", version).filter(pl.col("kept"))
+        kept |= set(passes.select("episode_id").unique().collect()["episode_id"])
+    return set(held) - kept
 
 
 STAGE = StageDef[Workspace, PalUITeacher](

@@ -130,6 +130,14 @@ def test_filter_2_reads_whole_element_names_the_longest_first_and_verbs_beside_t
     assert not scroll.ok and scroll.rule == "kind of action"
 
 
+def test_filter_2_reads_a_terminate_word_after_be_as_a_state_not_as_the_action():
+    """A terminate word after "is" or "are" says what a thing is ("the form is complete"); "Done." decides."""
+    for thought in ("The form is complete, so I submit it.", "The fields are done; tap Cart to pay."):
+        assert consistent(thought, "click", "Cart", TREE).ok, thought
+    stop = consistent("Done: the cart holds the milk.", "click", "Cart", TREE)
+    assert not stop.ok and stop.rule == "kind of action"
+
+
 def test_filter_2_reads_a_fields_name_in_the_way_thoughts_say_it():
     """The shop's search page has a searchbox "Search dishes" and a button "Search": a thought about the box says
     "search", which is the button's whole name. "The search box" is the field's; and typing or a key goes to the

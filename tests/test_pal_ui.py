@@ -15,12 +15,14 @@ from typing import Any
 
 import polars as pl
 import pytest
+from llguidance import LLMatcher
 from scripted import ScriptedServer, completion, message_parts, message_text, notes_workspace
 from starlette.requests import Request
 from starlette.responses import Response
 
 from trajforge.data.catalog import Lineage, Withdrawal, commit_key, write_parquet_atomic
 from trajforge.guidance.reference import STAGE as REFERENCE
+from trajforge.llm.structured import Constraint
 from trajforge.llm.workspace import Workspace
 from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
@@ -242,6 +244,16 @@ def test_a_retrieve_index_past_the_earlier_steps_is_rejected_not_guessed(recorde
     assert out.dropped == {"teacher pass rejected: retrieve index out of range": 1}
 
 
+def test_the_decoding_schema_offers_only_the_earlier_steps_to_retrieve_and_none_at_step_0():
+    """At step 0 (`pal_ui.min_step` 0) there is no earlier screen: a constrained teacher is offered only null, not a
+    step 0 the range check would then reject."""
+    assert pal_ui.deliberation_schema(3)["properties"]["retrieve"]["anyOf"] == [
+        {"type": "integer", "minimum": 0, "maximum": 2}, {"type": "null"}]
+    first = pal_ui.deliberation_schema(0)
+    assert first["properties"]["retrieve"] == {"anyOf": [{"type": "null"}]}
+    assert LLMatcher.validate_grammar(Constraint("json", first).grammar) == ""
+
+
 def test_a_step_whose_memory_is_incomplete_asks_no_teacher_and_says_which_part(recorded, model):
     ws, run, units = fresh(recorded, model, "blank", steps_per_shard=1, min_kept=0)
     model.blank, model.asked = True, []
@@ -406,3 +418,25 @@ def test_an_episode_done_again_with_no_pass_kept_loses_its_chat_samples_after_an
     sft = run_inline(pal_ui_sft.STAGE, ws, quiet, version)["pal_ui_sft"]
     assert set(ws.catalog.load("pal_ui_sft")["episode_id"]) == held - {redone}
     assert ws.catalog.lineage("pal_ui_sft", sft).stats["withdrawn: no kept teacher pass left"] == 1
+
+
+def test_a_rerun_on_an_older_teacher_version_leaves_the_chat_samples_of_later_nights_alone(recorded, model):
+    """`trajforge run pal_ui_sft --input pal_ui_teacher@OLDER`: that version holds no pass of the episodes a later
+    night taught, so it has no say over their chat samples; the rerun withdraws none of them."""
+    ws, older, _ = _taught(recorded, model, "the older night")
+    later_episode = "an episode of a later night"
+    later = ws.ledger.open_run("test", "a later night").run_id
+    kept = ws.catalog.load("pal_ui_teacher", older).filter(pl.col("kept")).head(1).with_columns(
+        run_id=pl.lit(later), episode_id=pl.lit(later_episode), sample_id=pl.lit("a later pass"),
+        step_id=pl.lit("a later step"))
+    path = ws.catalog.data_dir("pal_ui_teacher") / "later.parquet"
+    write_parquet_atomic(to_arrow("pal_ui_teacher", kept.to_dicts()), path)
+    lineage = Lineage(stage="pal_ui", run_id=later, commit_key=commit_key(later, "pal_ui", "pal_ui_teacher"),
+                      config_hash="x", code_version="x")
+    run_inline(pal_ui_sft.STAGE, ws, later, ws.catalog.commit_files("pal_ui_teacher", [path], lineage, "append"))
+    before = set(ws.catalog.load("pal_ui_sft")["episode_id"])
+    assert later_episode in before
+    rerun = ws.ledger.open_run("test", "again on the older night").run_id
+    sft = run_inline(pal_ui_sft.STAGE, ws, rerun, older)["pal_ui_sft"]
+    assert set(ws.catalog.load("pal_ui_sft")["episode_id"]) == before
+    assert "withdrawn: no kept teacher pass left" not in ws.catalog.lineage("pal_ui_sft", sft).stats
