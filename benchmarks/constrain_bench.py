@@ -2,9 +2,13 @@
 the policy's grammar against free decoding of the same prompts, in the same process.
 
 The prompts are GUI-Owl's step prompt for a few tasks (no screenshot, so no OCR time); each is
-answered free and constrained, alternating, `--rounds` times, with the response cache off. The
-grammar's answers are shorter (bounded reasoning), so the figure compared is time per token;
-the answer's validity is printed beside it. Two more rows answer the same prompts with
+answered free and constrained `--rounds` times, with the response cache off. Each round answers
+every task one way, then every task the other: the model's kept cache then always holds another
+task's prompt, so each call reads its task and what follows anew after the system message and
+tools it keeps, as an episode's first step does (answered right after the other way on the same
+prompt, the second call had skipped its whole prompt pass). The grammar's answers are shorter
+(bounded reasoning), so the figure compared is time per token; the answer's validity is printed
+beside it. Two more rows answer the same prompts with
 transformers' own `generate`, a fresh cache each time: constrained with the grammar as a logits
 mask (one forward pass per token, forced ones too), which the in-process model did before it fed
 forced tokens in one pass, and free, which it did before free answers took its kept cache.
@@ -47,11 +51,12 @@ def main() -> None:
     grammar = Constraint(prompt.format, schema).grammar
     theirs = {"constrained, transformers generate": grammar, "free, transformers generate": None}
     figures |= {mode: {"seconds": 0.0, "tokens": 0, "valid": 0, "answers": 0} for mode in theirs}
+    prompts = [prompt.render(platform="mobile", width=WIDTH, height=HEIGHT, tools=tool_spec("mobile"),
+                             function="mobile_use", task=task, guidance=None, history=[], screenshots=[])
+               for task in TASKS]
     for _ in range(args.rounds):
-        for task in TASKS:
-            rendered = prompt.render(platform="mobile", width=WIDTH, height=HEIGHT, tools=tool_spec("mobile"),
-                                     function="mobile_use", task=task, guidance=None, history=[], screenshots=[])
-            for mode, numbers in figures.items():
+        for mode, numbers in figures.items():
+            for rendered in prompts:
                 if mode in theirs:  # the model alone, no gateway
                     start = time.perf_counter()
                     tokens = model._generate(model._text_inputs(list(rendered.messages)), rendered.sampling,

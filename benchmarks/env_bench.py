@@ -4,8 +4,9 @@ The same fixed action sequences (5 MiniWoB++ tasks, 200 steps each, a reset ever
 `--episode-len` steps) run through:
 
 - the bare-loop anchor: async Playwright, N contexts, each step an input event then
-  CDP `Page.captureScreenshot` + `Accessibility.getFullAXTree`: the floor of what an
-  environment that screenshots and reads the tree can cost (shared/FACTS.md);
+  CDP `Page.captureScreenshot` + `Accessibility.getFullAXTree`, sent at once as the pool
+  sends its observation's calls: the floor of what an environment that screenshots and
+  reads the tree can cost (shared/FACTS.md);
 - `EnvPool` with 1, 2 and 4 contexts: what the rollout stage runs, each step the
   recorder's calls (target element, action with navigation wait, observation with the
   tree and element boxes);
@@ -52,7 +53,7 @@ from typing import Any
 from playwright.async_api import ViewportSize, async_playwright
 
 from trajforge.envs.browser import CHROMIUM, CHROMIUM_ARGS, BrowserEnv
-from trajforge.envs.miniwob import DEFAULT_TASKS, MiniWoBEnv
+from trajforge.envs.miniwob import _KEEP_THE_END, DEFAULT_TASKS, MiniWoBEnv
 from trajforge.envs.pool import EnvPool
 
 TASKS = ["click-button", "click-checkboxes", "enter-text", "click-tab-2", "book-flight"]
@@ -112,6 +113,13 @@ def summary(total_steps: int, wall_s: float, resets: list[tuple[float, bool]]) -
 # --- the bare loop ------------------------------------------------------------------------
 
 
+def start_script(seed: int) -> str:
+    """The bare loop's episode start: the seeded problem, and the START cover an ended episode shows made inert
+    as the pool's MiniWoBEnv makes it (`_KEEP_THE_END`); else a click after the end starts an unseeded problem,
+    work the pool's steps do not do."""
+    return f"Math.seedrandom({seed}); core.startEpisodeReal(); {_KEEP_THE_END}"
+
+
 async def _bare(base: str, work: list[tuple[str, list[Action]]], contexts: int) -> dict[str, float]:
     async with async_playwright() as p:
         browser = await p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -126,8 +134,8 @@ async def _bare(base: str, work: list[tuple[str, list[Action]]], contexts: int) 
             cdp = await context.new_cdp_session(page)
 
             async def observe() -> None:
-                await cdp.send("Page.captureScreenshot", {"format": "png"})
-                await cdp.send("Accessibility.getFullAXTree")
+                await asyncio.gather(cdp.send("Page.captureScreenshot", {"format": "png"}),
+                                     cdp.send("Accessibility.getFullAXTree"))
 
             shown = None
             while not queue.empty():
@@ -139,7 +147,7 @@ async def _bare(base: str, work: list[tuple[str, list[Action]]], contexts: int) 
                     shown = task
                 else:
                     await page.evaluate("core.endEpisode(0)")
-                await page.evaluate(f"Math.seedrandom({seed}); core.startEpisodeReal()")
+                await page.evaluate(start_script(seed))
                 await observe()
                 resets.append((time.perf_counter() - t0, load))
                 for kind, a, b in actions:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,7 +83,9 @@ def stage_seconds(log: str) -> dict[str, float]:
 
 
 def night(folder: Path, config: str, warehouse: WarehouseSettings) -> dict[str, object]:
-    """One night in `folder`: its wall time, episodes, steps and time per stage."""
+    """One fresh night in `folder`: its wall time, episodes, steps and time per stage. What a run before left
+    there (`--keep` given the same folder again) goes first: a night on its warehouse would resume or skip."""
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     (folder / "trajforge.yaml").write_text(config)
     # The night's Prefect home is new; its database is migrated first (about 10 s on 2 cores), as a user's is
@@ -152,7 +155,10 @@ def main() -> None:
     print("| --- |" + " --- |" * len(rows))
     for stage in stages:
         print(f"| {stage} | " + " | ".join(f"{r['stages'].get(stage, 0):.1f}" for _, _, r in rows) + " |")  # type: ignore[union-attr]
-    print(f"\nnights kept in {root}" if args.keep else "")
+    if args.keep:
+        print(f"\nnights kept in {root}")
+    else:  # a night that failed exits before this: its folder stays, named in the message
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The nightly killed with SIGKILL at many points, rerun, and compared with an unbroken night of the same config.
 
 A kill point is a stage and a phase the run ledger shows: `shards` (the stage planned, its shards running)
-or `commit` (every shard done, the stage's tables being committed), and `report` (every stage
+or `commit` (every shard done, the stage's tables being committed), and `report` (every stage the night runs
 committed; the night's tags and report being written). One *chain* walks a fresh night through the points in
 order: the watcher kills the process group the moment the ledger shows the next point, reruns `trajforge run
 nightly` (which resumes), and waits for the point after it; a point the run passed between two polls is
@@ -42,6 +42,8 @@ from pathlib import Path
 
 import polars as pl
 import sqlalchemy as sa
+import yaml
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
@@ -51,7 +53,21 @@ from trajforge.schemas.tables import record_model
 CONFIG = Path(__file__).with_name("replay_night.yaml").read_text()
 """The replay night, shared with the tests (tests/conftest.py): every stage writes rows and asks no model."""
 
-STAGES = stages()
+
+class _FileOnly(Settings):
+    """Settings from the values given alone, no environment variable read: `cli_env` passes the CLI none that
+    changes what the night runs."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   **others: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+_NIGHT = _FileOnly(**yaml.safe_load(CONFIG))
+STAGES = [name for name, stage in stages().items() if stage.enabled(_NIGHT)]
+"""The stages the replay night runs, in order: those `StageDef.enabled` keeps (the loop's `train` runs only with
+`loop.train`, which the night leaves off). The report point shows once every one of them is committed."""
 
 PER_SCREEN = frozenset({"grounding", "train_grounding"})
 """Tables with rows per distinct screen of the night (grounding's elements, words and characters)."""

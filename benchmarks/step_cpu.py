@@ -36,6 +36,7 @@ from trajforge.data.blobs import BlobStore
 from trajforge.envs.apps import load_app
 from trajforge.envs.browser import CHROMIUM
 from trajforge.envs.kinds import BundledWebKind
+from trajforge.envs.pool import close_warm
 from trajforge.query_gen.stage import generate_queries
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import QueryGenSettings, RolloutSettings
@@ -118,6 +119,7 @@ def main() -> None:
     made = generate_queries([BundledWebKind(load_app(a)) for a in args.apps.split(",")], run_id="step-cpu",
                             settings=QueryGenSettings(num_queries=args.queries, atomic_per_app=0,
                                                       deep_search_apps=[]), chromium=CHROMIUM)
+    close_warm()  # query generation's browser, which the replay would borrow: each run starts its own, as printed
     queries: list[Any] = made.rows["queries"]
     work = episodes(args.env_steps, 20)
 

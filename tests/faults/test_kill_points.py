@@ -19,6 +19,8 @@ def test_a_night_killed_at_each_point_and_rerun_equals_the_unbroken_night(replay
     result = chain(tmp_path, POINTS)
     assert result.failed is None, result.failed
     assert len(result.killed) >= 3, f"most points passed between polls: killed {result.killed}"
+    # The tags and report take about 1.7 s (benchmarks/HISTORY.md), many 20 ms polls: a kill there is never missed.
+    assert ("nightly", "report") in result.killed, f"the report point was not killed: missed {result.missed}"
     assert result.reruns == len(result.killed) + 1
     got = compare(reference, tmp_path)
     differing = {t: rows for t, rows in got.tables.items() if rows[0] != rows[1]}
