@@ -13,14 +13,16 @@ screen) and the action; the thought is kept beside it but is not part of what th
 is for (action-focus).
 
 Candidate groups (3.4): for `agentic_q.groups` states of the night, the policy model (its
-own prompt, `gui_owl_e2e`) samples K actions. The paper scores them with its trained
-agentic-Q model; none is trained here, so the Monte-Carlo estimate from the same attempts
-stands in: a candidate's score is the mean return of the recorded steps at that state
-(same screen and window) whose action matches it (`synth.match`), and the state's mean
-return V(s) when none does; an invalid candidate scores 0. A group is dropped when its K
-actions are all the same, or when its scores' std is below `agentic_q.min_std`; a kept
-group's weight is u(s) = mean(g)^-1 / sum over the night's kept groups of mean(g)^-1. The
-stage runs as one shard so that sum is over the whole night.
+own prompt, `gui_owl_e2e`) samples K actions, its clicks held to the screen as the rollout holds
+them (`rollout.click_targets`: a text-only model names one of the recorded screen's elements).
+The paper scores them with its trained agentic-Q model; none is trained here, so the
+Monte-Carlo estimate from the same attempts stands in: a candidate's score is the mean
+return of the recorded steps at that state (same screen and window) whose action matches
+it (`synth.match`), and the state's mean return V(s) when none does; an invalid candidate
+scores 0. A group is dropped when its K actions are all the same, or when its scores' std
+is below `agentic_q.min_std`; a kept group's weight is u(s) = mean(g)^-1 / sum over the
+night's kept groups of mean(g)^-1. The stage runs as one shard so that sum is over the
+whole night.
 
 A query is taken up again whenever it has new attempts, and its rows in both tables replace
 the ones earlier runs wrote for it (`StageDef.replaces` on `query_id`): the level is a
@@ -40,11 +42,12 @@ from typing import Any
 
 import polars as pl
 
-from trajforge.envs import actions
+from trajforge.envs import actions, axtree
+from trajforge.envs.browser import Target, screen_targets
 from trajforge.llm import ImagePart
 from trajforge.llm.prompts import PROMPTS_DIR
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, ToolCall, call_schema, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, GuiOwlPolicy, ToolCall, call_schema, tool_spec
 from trajforge.schemas.config import AgenticQSettings
 from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import QGroup, QValueSample, Step, steps_by_episode
@@ -152,18 +155,32 @@ def _score(candidate: dict[str, Any] | None, seen: list[_Observed], tolerance: f
     return statistics.fmean(o.value for o in seen), 0
 
 
+def _targets(step: Step) -> list[Target]:
+    """The named elements of the step's recorded screen: what the live observation offered the policy
+    (`Observation.targets`); none from a tree that does not parse (the click stays free)."""
+    try:
+        return screen_targets(axtree.parse(step.ax_tree_before or ""), step.width, step.height)
+    except ValueError:
+        return []
+
+
 def _group(asker: Asker, ws: Workspace, unit: QueryAttempts, key: str, step: Step, window: list[str],
            seen: list[_Observed], run_id: str) -> QGroup:
-    """K candidates from the policy's prompt at a recorded state, scored; the filters decide whether it is kept."""
+    """K candidates from the policy's prompt at a recorded state, scored; the filters decide whether it is kept.
+    A click is held to the screen as the rollout's policy holds it: with free pixels a text-only model invents
+    points that miss every element, and its groups drop as concentrated scores."""
     cfg = ws.settings.agentic_q
-    space = actions.space_for(unit.viewport)
-    function = FUNCTIONS[space]
+    # The policy resolves `rollout.click_targets` ("auto": names for a model that reads the screen as text).
+    policy = GuiOwlPolicy(ws.gateway, viewport=unit.viewport, model=ws.settings.rollout.model,
+                          click_targets=ws.settings.rollout.click_targets)
+    space, function = policy.space, FUNCTIONS[policy.space]
+    schema = call_schema(space, step.width, step.height,
+                         targets=_targets(step) if policy.click_targets == "names" else None)
     candidates, scores, seen_actions = [], [], []
     for k in range(cfg.candidates):
-        answer = asker.ask(PROMPT, seed=k, temperature=cfg.temperature, schema=ToolCall,
-                           json_schema=call_schema(space, step.width, step.height), platform=space,
-                           width=step.width, height=step.height, tools=tool_spec(space), function=function,
-                           task=unit.instruction, guidance=None, history=window,
+        answer = asker.ask(PROMPT, seed=k, temperature=cfg.temperature, schema=ToolCall, json_schema=schema,
+                           platform=space, width=step.width, height=step.height, tools=tool_spec(space),
+                           function=function, task=unit.instruction, guidance=None, history=window,
                            screenshots=[ImagePart(sha256=step.screenshot_before, ax_tree=step.ax_tree_before)])
         action, error = predicted_action(answer, function)
         score, matched = _score(action, seen, ws.settings.synth.match_tolerance_px)
@@ -242,7 +259,8 @@ def agentic_q_summary(stats: dict[str, int]) -> str | None:
 
 def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
     """The queries whose episodes the steps version holds, each with its last n judged policy attempts from every
-    run. Environment faults, unjudged episodes and queries with fewer than n attempts are counted, not used."""
+    run up to that version. Environment faults, unjudged episodes, attempts whose steps came after that version and
+    queries with fewer than n attempts are counted, not used."""
     cfg = ws.settings.agentic_q
     added, snapshot = ws.catalog.rows_added("steps", snapshot)
     inputs = Inputs[QueryAttempts](units=[], snapshots={"steps": snapshot})
@@ -260,12 +278,19 @@ def load_attempts(ws: Workspace, snapshot: int | None) -> Inputs[QueryAttempts]:
         inputs.snapshots["verdicts"] = read["verdicts"]
         verdicts = dict(ws.catalog.newest("verdicts", "episode_id", read["verdicts"])
                         .select("episode_id", "success").iter_rows())
+    # Episodes and verdicts are read at their latest versions, steps at the input's: an attempt rolled after that
+    # version (`--input steps@OLDER`) has no steps in it, and counted it would be an empty attempt at a level the
+    # input's night never had, its rows replacing the query's complete ones. At that version it was not made yet.
+    held = set(ws.catalog.scan("steps", snapshot).filter(pl.col("episode_id").is_in(episodes["episode_id"].to_list()))
+               .select("episode_id").unique().collect()["episode_id"])
     judged: dict[str, list[dict[str, Any]]] = {}
     for e in episodes.sort("started_at").to_dicts():
         if e["status"] == "env_fault":
             inputs.stats["environment fault: rerun by the rollout, not counted as a failure"] += 1
         elif e["episode_id"] not in verdicts:
             inputs.stats["attempt not judged by the critics"] += 1
+        elif e["num_steps"] and e["episode_id"] not in held:
+            inputs.stats["attempt rolled after the input steps version: not counted"] += 1
         else:
             judged.setdefault(e["query_id"], []).append(e)
     ids = [e["episode_id"] for rows in judged.values() for e in rows[-cfg.attempts:]]

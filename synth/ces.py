@@ -14,7 +14,8 @@ and action in words. These states are model-made and flagged `silver`; where the
 answer is unusable, the trusted actions so far in words stand in (not silver, and no State
 Tracker SFT row is made of it).
 
-SFT (B.1): the Coordinator learns (s^t, q, m^{t-1}) -> <think>the step's thought</think>
+SFT (B.1): the Coordinator learns (s^t, q, m^{t-1}) -> <think>the step's thought (a reference
+replay's: the template reason, `thought`)</think>
 <answer>the trusted atomic instruction</answer> (`atomic_instruction`, our stand-in for
 GUI-Odyssey's low_level_instruction); the State Tracker learns (q, u^t, m^{t-1}) -> m^t.
 
@@ -150,9 +151,17 @@ def atomic_instruction(step: Step) -> tuple[str, str]:
     return text, f"The task needs this next: {text[0].lower()}{text[1:]}."
 
 
-def executor_output(step: Step) -> str:
+def thought(unit: TrustedEpisode, step: Step) -> str:
+    """The step's reason as the CES roles read and learn it: the policy's thought, or for a reference replay the
+    template reason (`atomic_instruction`). A replay's thought is its label ("transition 2/3 (search -> dish),
+    action 1/3: click the link 'Pad Thai'."): taught to think it, a Coordinator would think in the app spec's page
+    ids (`synth.export` keeps such thoughts out of its consistency check for the same reason)."""
+    return atomic_instruction(step)[1] if unit.trusted == "reference" else step.thought.strip()
+
+
+def executor_output(unit: TrustedEpisode, step: Step) -> str:
     """u^t of a trusted step: its thought and its action in words (CES eq. 2), what the State Tracker reads."""
-    return f"{step.thought.strip()} Action: {action_text(step)}".strip()
+    return f"{thought(unit, step)} Action: {action_text(step)}".strip()
 
 
 def _fallback_state(steps: list[Step], upto: int) -> str:
@@ -221,13 +230,18 @@ class _CES(Asker):
         """One state tracker output: the state after `step` from the state before it."""
         return self.ask(TRACKER, seed=seed, temperature=None if seed is None else self.cfg.temperature,
                         schema=ThinkAnswer, reask=seed is None, task=unit.instruction,
-                        executor_output=executor_output(step), state=state)
+                        executor_output=executor_output(unit, step), state=state)
 
     def silver_states(self, unit: TrustedEpisode) -> list[Silver]:
-        """m^0 .. m^{L-1} along the trusted steps, greedy, each from the one before (m^{-1} = START)."""
+        """m^0 .. m^{L-1} along the trusted steps, greedy, each from the one before (m^{-1} = START). An invalid
+        action was not carried out: the state after it is the state before it, as in `_fallback_state`."""
         states: list[Silver] = []
         previous = START
         for index, step in enumerate(unit.steps):
+            if not step.action_valid:
+                self.out.stats["silver states after an invalid action: the state before it carried over"] += 1
+                states.append(_before(states, index))
+                continue
             said = self.track(unit, step, previous)
             parsed = tagged(said.text) if said.error is None else None
             if parsed is None:
@@ -291,7 +305,11 @@ def _scored(c: _CES, unit: TrustedEpisode, step: Step, role: str, formats: list[
     return {
         "executor_outputs": [e.raw if e else None for e in executions],
         "executor_actions": [json.dumps(e.action) if e and e.action is not None else None for e in executions],
-        "reasons": [e.reason if e else "format broken: no instruction for the executor" for e in executions],
+        # A state tracker's candidate can be well-formed and still reach no executor: the frozen coordinator's answer
+        # to it did not parse.
+        "reasons": [e.reason if e else ("the frozen coordinator gave no instruction for this state: nothing for the "
+                                        "executor" if f else "format broken: no instruction for the executor")
+                    for f, e in zip(formats, executions, strict=True)],
         "format_rewards": [r.format for r in rewards], "type_rewards": [r.type for r in rewards],
         "param_rewards": [r.param for r in rewards], "exec_rewards": [r.execution for r in rewards],
         "rewards": totals,
@@ -339,7 +357,7 @@ def state_tracker_group(c: _CES, unit: TrustedEpisode, index: int, states: list[
     candidates = [p.answer if p else None for p in _answers(said)]
     coordinated = [c.coordinate(unit, step, m) if m is not None else None for m in candidates]
     instructions = [p.answer if p else None for p in _answers(coordinated)]
-    messages_json, images = _prompt(c, TRACKER, task=unit.instruction, executor_output=executor_output(earlier),
+    messages_json, images = _prompt(c, TRACKER, task=unit.instruction, executor_output=executor_output(unit, earlier),
                                     state=state.state)
     _, step_images = _prompt(c, COORDINATOR, task=unit.instruction, state=state.state, **_screen(space, step))
     return CESStateTrackerGroup(
@@ -369,14 +387,15 @@ def _sft(c: _CES, unit: TrustedEpisode, states: list[Silver], tag: str, out: Sta
         instruction, reason = atomic_instruction(step)
         messages_json, images = chat_messages(
             c.prompts[COORDINATOR].render(task=unit.instruction, state=before.state, **_screen(space, step)),
-            f"<think>{step.thought.strip() or reason}</think><answer>{instruction}</answer>", c.ws.blobs)
+            f"<think>{thought(unit, step) or reason}</think><answer>{instruction}</answer>", c.ws.blobs)
         out.rows["ces_coordinator_sft"].append(_chat(CESCoordinatorChat, c, step, unit, "coordinator", messages_json,
                                                      images, tag, before.silver))
         if not after.silver:
             out.dropped["state tracker SFT: the model's state was unusable"] += 1
             continue
         messages_json, images = chat_messages(
-            c.prompts[TRACKER].render(task=unit.instruction, executor_output=executor_output(step), state=before.state),
+            c.prompts[TRACKER].render(task=unit.instruction, executor_output=executor_output(unit, step),
+                                      state=before.state),
             f"<think>{after.think}</think><answer>{after.state}</answer>", c.ws.blobs)
         out.rows["ces_state_tracker_sft"].append(_chat(CESStateTrackerChat, c, step, unit, "state_tracker",
                                                        messages_json, images, tag, True))

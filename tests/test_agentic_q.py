@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from trajforge.tasks.runner import run_inline
 
 A = {"type": "click", "x": 50, "y": 50}  # inside the box of button A, the successful attempts' first action
 B = {"type": "click", "x": 150, "y": 150}  # inside button B's box: the failed attempts' first action
-TREE = "button 'A' (40,40,20,20)\nbutton 'B' (140,140,20,20)"
+TREE = 'button "A" (40,40,20,20)\nbutton "B" (140,140,20,20)'
 
 
 def test_group_weights_and_advantages_on_hand_worked_numbers():
@@ -220,3 +221,43 @@ def test_a_query_taken_up_again_holds_each_step_once_with_its_new_level(tmp_path
         assert {v["level"] for v in values} == {1}
         [group] = ws.catalog.load("agentic_q_groups").to_dicts()
         assert group["level"] == 1 and group["observed"] == 4
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_candidates_click_as_the_rollout_policy_does(tmp_path, policy, vision):
+    """`rollout.click_targets: auto`: a text-only policy model samples its candidates choosing among the recorded
+    screen's named elements (buttons A and B), as it acted in the rollout, not free pixels it would invent; a model
+    that sees the screen clicks any pixel."""
+    ws = Workspace.open(Settings(
+        warehouse={"path": tmp_path / "wh"},
+        llm={"endpoints": {"m": {"base_url": policy.url, "model": "scripted", "max_retries": 0, "timeout_s": 10,
+                                 "structured_output": "grammar", "vision": vision}},
+             "default": "m", "reask": 0, "cache": False},
+        agentic_q={"attempts": 4, "candidates": 4, "groups": 1}))
+    steps = _write_night(ws)
+    before = len(policy.requests)
+    out = agentic_q.estimate(agentic_q.load_attempts(ws, steps).units, ws, "names", "")
+    grammars = [r["body"]["structured_outputs"]["grammar"] for r in policy.requests[before:]]
+    assert len(grammars) == 4 and len(out.rows["agentic_q_groups"]) == 1
+    for grammar in grammars:
+        named = [json.loads(name) for name in re.findall(r'"target": ?\{"const": ?("[^"]*")', grammar)]
+        assert named == ([] if vision else ["A", "B"]), grammar
+
+
+def test_a_run_on_an_older_steps_version_counts_only_the_attempts_that_version_holds(tmp_path, policy):
+    """Night 2 adds attempt 5 of `mid` (episodes, verdicts and steps); the stage run by hand on night 1's steps
+    version reads episodes and verdicts at their latest, but attempt 5's steps are not in that version: it is not
+    an attempt yet (counted), so `mid` is night 1's level 2 over attempts 0 to 3, each with both its steps, not an
+    empty attempt 5 at level 1 whose rows would replace the complete ones."""
+    ws = workspace(tmp_path, policy.url)
+    night_1 = _write_night(ws)
+    episode, verdict, steps = _attempt(_screen(ws), "mid", 5, False)
+    ws.catalog.commit_rows("episodes", [episode], _lineage("episodes 2"))
+    ws.catalog.commit_rows("verdicts", [verdict], _lineage("verdicts 2"))
+    ws.catalog.commit_rows("steps", steps, _lineage("steps 2"))
+    out = run_inline(agentic_q.STAGE, ws, ws.ledger.open_run("test", "by hand").run_id, night_1)
+    values = ws.catalog.load("agentic_q_values", out["agentic_q_values"]).to_dicts()
+    assert sorted(v["step_id"] for v in values) == sorted(f"mid-{n}-{i}" for n in range(4) for i in (0, 1))
+    assert {v["level"] for v in values} == {2}
+    lineage = ws.catalog.lineage("agentic_q_values", out["agentic_q_values"])
+    assert lineage.stats["attempt rolled after the input steps version: not counted"] == 1

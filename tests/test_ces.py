@@ -217,6 +217,36 @@ def test_a_policy_episode_is_trusted_by_the_critics_latest_verdict(tmp_path):
     assert inputs.stats["not trusted: policy episode not accepted by the critics"] == 1
 
 
+def test_an_invalid_action_leaves_the_silver_state_as_it_was(tmp_path, model):
+    """An invalid action was not carried out: the silver state after it is the one before it (the tracker is not
+    asked about it), as the trusted-actions fallback leaves it out; the next valid step counts on from there."""
+    ws = workspace(tmp_path, model.url, cache=False)
+    steps = [_step("click", {"x": 5, "y": 9}, "link", "Cart").model_copy(update={"step_id": f"e:{i}", "step_index": i})
+             for i in range(3)]
+    steps[1] = steps[1].model_copy(update={"action_type": "fly", "action_json": "{}", "action_valid": False})
+    unit = TrustedEpisode("e", "q", "task", "mobile", "reference", steps)
+    out = StageOutput(rows={t: [] for t in ces.TABLES})
+    before = len(model.asked("GUI task State Tracker Agent"))
+    states = ces._CES(ws, out, "r").silver_states(unit)
+    assert [s.state for s in states] == ["1 steps done", "1 steps done", "2 steps done"]
+    assert len(model.asked("GUI task State Tracker Agent")) - before == 2
+    assert out.stats["silver states after an invalid action: the state before it carried over"] == 1
+    assert ces._fallback_state(steps, 1) == "Done so far: Click the link 'Cart'."
+
+
+def test_a_state_the_frozen_coordinator_gave_no_instruction_for_is_not_called_a_broken_format(tmp_path):
+    """Stage 2: a well-formed state (R_format 1) whose frozen coordinator's answer did not parse reaches no
+    executor; its reason says so, and only a state that did not parse is called a broken format."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={"writer": "model"}))
+    step = _step("click", {"x": 5, "y": 9}, "link", "Cart")
+    out = StageOutput(rows={t: [] for t in ces.TABLES})
+    row = ces._scored(ces._CES(ws, out, "r"), TrustedEpisode("e", "q", "task", "mobile", "reference", [step]), step,
+                      "state tracker", [True, False], [None, None])
+    assert row["format_rewards"] == [1.0, 0.0] and row["exec_rewards"] == [0.0, 0.0]
+    assert row["reasons"] == ["the frozen coordinator gave no instruction for this state: nothing for the executor",
+                              "format broken: no instruction for the executor"]
+
+
 # ---------------------------------------------------------------- the rules, by hand
 
 
@@ -317,13 +347,21 @@ def test_sft_rows_carry_the_silver_states_and_the_trusted_instruction(scored):
         step = steps[row.step_id]
         messages = json.loads(row.messages_json)
         assert row.silver == (step.step_index > 0) and len(row.images) == 1
-        assert messages[-1]["content"][0]["text"] == \
-            f"<think>{step.thought.strip()}</think><answer>{ces.atomic_instruction(step)[0]}</answer>"
+        # A reference replay's thought is its label ("transition 1/2 (home -> note), action 1/1: ..."), page ids
+        # and all: the template reason is what it teaches.
+        instruction, reason = ces.atomic_instruction(step)
+        assert step.thought.strip() != reason
+        assert messages[-1]["content"][0]["text"] == f"<think>{reason}</think><answer>{instruction}</answer>"
         state = ces.START if step.step_index == 0 else f"{step.step_index} steps done"
         assert f"Current_state: {state}\n" in messages[1]["content"][-1]["text"]
     for row in tracker:
-        answer = json.loads(row.messages_json)[-1]["content"][0]["text"]
-        assert answer == f"<think>one more step</think><answer>{steps[row.step_id].step_index + 1} steps done</answer>"
+        messages = json.loads(row.messages_json)
+        assert messages[-1]["content"][0]["text"] == \
+            f"<think>one more step</think><answer>{steps[row.step_id].step_index + 1} steps done</answer>"
+        # u^t, what the State Tracker reads: the template reason and the action, not the replay's label
+        user = messages[1]["content"][-1]["text"]
+        assert "Latest output of executor agent: The task needs this next: " in user
+        assert steps[row.step_id].thought.strip() not in user
 
 
 def test_the_stage_through_the_runner_counts_rewards_ceiling_and_floor_and_names_the_prompts(recorded, model):
