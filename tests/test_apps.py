@@ -268,6 +268,17 @@ def test_add_to_cart_validates_size_and_quantity(server: AppServer) -> None:
     assert state(server, "erin")["cart"] == []
 
 
+def test_removing_a_cart_line_by_a_digit_that_is_no_number_keeps_the_cart(server: AppServer) -> None:
+    """"²" is a digit to str.isdigit but not a number to int(): the post removes nothing instead of answering 500."""
+    post(server, "gwen", "/cart/add", {"dish": "Pad Thai", "size": "Small", "quantity": "1"})
+    for index in ("²", "x", "5"):
+        status, _, headers = http(server, "POST", "/cart/remove", "gwen", {"index": index})
+        assert status == 303 and headers["Location"] == "/cart", index
+    assert len(state(server, "gwen")["cart"]) == 1
+    post(server, "gwen", "/cart/remove", {"index": "0"})
+    assert state(server, "gwen")["cart"] == []
+
+
 def test_checkout_with_empty_cart_is_refused(server: AppServer) -> None:
     status, body, _ = http(server, "POST", "/checkout", "frank", {"address": "x", "payment": "Cash"})
     assert status == 400 and "cart is empty" in body
@@ -379,6 +390,20 @@ IN_CART = {"cart": [{"dish": "Miso Ramen", "size": "Small", "quantity": 1}], "or
     ("in_cart", {"dish": "Miso Ramen", "size": "Small"}, IN_CART, {**IN_CART, "cart": []}),
     ("in_cart", {"dish": "Miso Ramen", "size": "small"}, IN_CART,
      {**IN_CART, "cart": [{"dish": "Miso Ramen", "size": "Large", "quantity": 1}]}),
+    # The task asks for one dish: the cart or the order holds it and nothing else, one of it unless a quantity is asked.
+    ("in_cart", {"dish": "Miso Ramen", "size": "Small"}, IN_CART,
+     {**IN_CART, "cart": [*IN_CART["cart"], {"dish": "Pad Thai", "size": "Large", "quantity": 1}]}),
+    ("in_cart", {"dish": "Miso Ramen", "size": "Small"}, IN_CART,
+     {**IN_CART, "cart": [{"dish": "Miso Ramen", "size": "Small", "quantity": 10}]}),
+    ("in_cart", {"dish": "Miso Ramen", "size": "Small", "quantity": "2"},
+     {**IN_CART, "cart": [{"dish": "Miso Ramen", "size": "Small", "quantity": 2}]}, IN_CART),
+    ("order_placed", {"dish": "Pad Thai", "size": "Large", "address": "12 Baker Street, London", "payment": "Card"},
+     ORDERED, {**ORDERED, "orders": [{**ORDERED["orders"][0], "lines": [
+         {"dish": "Pad Thai", "size": "Medium", "quantity": 1}, {"dish": "Pad Thai", "size": "Large", "quantity": 1},
+         {"dish": "Miso Ramen", "size": "Large", "quantity": 1}]}]}),
+    ("order_placed", {"dish": "Pad Thai", "size": "Large", "address": "12 Baker Street, London", "payment": "Card"},
+     ORDERED, {**ORDERED, "orders": [{**ORDERED["orders"][0], "lines": [
+         {"dish": "Pad Thai", "size": "Large", "quantity": 10}]}]}),
     ("order_placed", {"dish": "Pad Thai", "size": "Large", "address": "12 Baker Street, London", "payment": "Card"},
      ORDERED, {**ORDERED, "orders": []}),
     ("order_placed", {"dish": "Pad Thai", "size": "Large", "address": "12 Baker Street, London", "payment": "Cash"},
@@ -402,6 +427,11 @@ def test_checker_reasons_say_what_was_found(shop: BundledApp) -> None:
     assert not ok and "address '12 Baker Street, London'" in reason
     ok, reason = shop.check("in_cart", {"dish": "Pad Thai"}, IN_CART)
     assert not ok and "lack size" in reason
+    ok, reason = shop.check("in_cart", {"dish": "Miso Ramen", "size": "Small"},
+                            {**IN_CART, "cart": [*IN_CART["cart"], *IN_CART["cart"]]})
+    assert not ok and "should hold just 1 × Small Miso Ramen; it holds 1 × Small Miso Ramen; 1 × Small" in reason
+    ok, reason = shop.check("in_cart", {"dish": "Miso Ramen", "size": "Small", "quantity": "two"}, IN_CART)
+    assert not ok and "quantity must be a whole number" in reason
 
 
 def test_unknown_checker_raises(shop: BundledApp) -> None:
@@ -413,6 +443,9 @@ def test_unknown_checker_raises(shop: BundledApp) -> None:
 # (app, checker, params, posts to the right state, posts to a wrong one, what the
 # wrong state's reason must say). The wrong state differs from the right one in one way.
 Posts = list[tuple[str, dict[str, str]]]
+PROPOSAL = ("We propose a shared calendar for the three studios. It replaces the paper schedule by March and costs "
+            "less than the current booking tool.")
+"""The text of Writer's "Project proposal", the document open when its tasks start."""
 CHECKER_CASES: list[tuple[str, str, dict[str, str], Posts, Posts, str]] = [
     ("mail", "message_sent",
      {"to": "maya.chen@example.com", "subject": "Lunch next week", "body": "Are you free on Tuesday?"},
@@ -440,6 +473,18 @@ CHECKER_CASES: list[tuple[str, str, dict[str, str], Posts, Posts, str]] = [
      [("/event/edit", {"id": "3", "title": "Piano lesson", "day": "Friday", "time": "14:00"})],
      [("/events", {"title": "Piano lesson", "day": "Friday", "time": "14:00"})],  # a copy; the lesson stays
      "expected one event titled 'Piano lesson', found 2"),
+    # Moved is the initial week's event, by its id, with the rest of the week as it was.
+    ("calendar", "event_moved", {"event": "Project kickoff", "day": "Friday", "time": "14:00"},
+     [("/event/edit", {"id": "1", "title": "Project kickoff", "day": "Friday", "time": "14:00",
+                       "location": "Room 4B"})],
+     [*[("/event/delete", {"id": str(i)}) for i in range(1, 7)],
+      ("/events", {"title": "Project kickoff", "day": "Friday", "time": "14:00"})],
+     "'Project kickoff' on Friday 14:00 is a new event, not the initial week's, moved"),
+    ("calendar", "event_moved", {"event": "Project kickoff", "day": "Friday", "time": "14:00"},
+     [("/event/edit", {"id": "1", "title": "Project kickoff", "day": "Friday", "time": "14:00"})],
+     [("/event/edit", {"id": "1", "title": "Project kickoff", "day": "Friday", "time": "14:00"}),
+      ("/event/edit", {"id": "2", "title": "Lunch with Priya", "day": "Friday", "time": "14:00"})],
+     "but 'Lunch with Priya' changed or went"),
     ("calendar", "event_deleted", {"event": "Book club"},
      [("/event/delete", {"id": "5"})],
      [("/event/delete", {"id": "5"}), ("/event/delete", {"id": "6"})],
@@ -486,8 +531,17 @@ CHECKER_CASES: list[tuple[str, str, dict[str, str], Posts, Posts, str]] = [
      [("/languages", {"language": "Deutsch"})], [("/languages", {"language": "Italiano"})],
      "language is Italiano, not Deutsch"),
     ("writer", "document_text", {"text": "Budget review on Friday."},
-     [("/save", {"id": "1", "text": "Agenda. Budget review on Friday."})],
+     [("/save", {"id": "1", "text": f"{PROPOSAL}  budget review on Friday."})],
      [("/save", {"id": "2", "text": "Budget review on Friday."})],
+     "'Project proposal' does not contain 'Budget review on Friday.'"),
+    # Added to the document open at the start: not typed over all of it, nor into a document made later.
+    ("writer", "document_text", {"text": "Budget review on Friday."},
+     [("/save", {"id": "1", "text": f"Budget review on Friday.\n{PROPOSAL}"})],
+     [("/save", {"id": "1", "text": "Budget review on Friday."})],
+     "'Project proposal' contains 'Budget review on Friday.' but lost its text"),
+    ("writer", "document_text", {"text": "Budget review on Friday."},
+     [("/save", {"id": "1", "text": f"{PROPOSAL} Budget review on Friday."})],
+     [("/documents/new", {"title": "Budget"}), ("/save", {"id": "4", "text": "Budget review on Friday."})],
      "'Project proposal' does not contain 'Budget review on Friday.'"),
     ("writer", "document_shared", {"email": "maya.chen@example.com"},
      [("/share", {"email": "Maya.Chen@example.com"})], [("/share", {"email": "leo.martins@example.com"})],
@@ -496,6 +550,10 @@ CHECKER_CASES: list[tuple[str, str, dict[str, str], Posts, Posts, str]] = [
      "signed out, after 0 failed sign-ins"),
     ("account", "two_step_is", {"value": "on"}, [("/", SIGN_IN), ("/account/security", {"two_step": "on"})],
      [("/", SIGN_IN), ("/account/security", {})], "two-step verification is off"),
+    # The stored setting is judged, as the display name is: signing out after turning it on does not undo it.
+    ("account", "two_step_is", {"value": "on"},
+     [("/", SIGN_IN), ("/account/security", {"two_step": "on"}), ("/account/sign-out", {})],
+     [("/", SIGN_IN), ("/account/security", {}), ("/account/sign-out", {})], "two-step verification is off"),
     ("account", "display_name_is", {"name": "Alice Moreau"},
      [("/", SIGN_IN), ("/account/profile", {"display_name": "alice  moreau"})],
      [("/", SIGN_IN), ("/account/profile", {"display_name": "Ali Martin"})], "the display name is 'Ali Martin'"),
@@ -618,6 +676,25 @@ def test_shop_tree_shows_cart_and_search_results(env: BrowserEnv, server: AppSer
     tree = env.observe().ax_tree
     assert 'link "Cart (0)"' in tree
     assert 'searchbox "Search dishes": pizza' in tree and 'link "Margherita Pizza"' in tree
+
+
+@pytest.mark.browser
+def test_writers_keyboard_shortcuts_do_what_its_help_lists(servers: dict[str, AppServer], chromium: Path) -> None:
+    """Help > Keyboard shortcuts lists Ctrl+B, Ctrl+I and Ctrl+S: pressed as the env's key actions press them,
+    they bold and italicise the selected text and save the document, and the recorder reports no click on Save
+    that the user never made."""
+    select = "word => { const t = document.getElementById('text'); const at = t.value.indexOf(word); t.focus(); " \
+             "t.setSelectionRange(at, at + word.length); }"
+    with BrowserEnv(viewport="desktop", chromium=chromium) as env:
+        env.reset("writer-shortcuts", servers["writer"].base_url + "/")
+        env.page.evaluate(select, "propose")
+        assert env.act({"type": "key", "keys": ["Control", "b"]}) is None
+        env.page.evaluate(select, "shared")
+        assert env.act({"type": "key", "keys": ["Control", "i"]}) is None
+        assert env.act({"type": "key", "keys": ["Control", "s"]}) is None
+        saved = env.app_state()
+    assert saved["documents"][0]["text"].startswith("We **propose** a _shared_ calendar for the three studios.")
+    assert [e for e in saved.get("ui_events", []) if e["op"] == "click"] == []
 
 
 def test_settings_app_turns_dark_with_the_dark_theme(servers: dict[str, AppServer]) -> None:

@@ -164,17 +164,16 @@ def check_signed_in(params: dict[str, str], state: dict[str, Any]) -> tuple[bool
 
 
 def check_two_step_is(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """Two-step verification is `value` (on or off), for a signed-in user."""
+    """Two-step verification is `value` (on or off). The stored setting is judged, signed in or not, as the
+    display name is: only a signed-in user can change it, and signing out afterwards does not undo it."""
     if problem := missing(params, "value"):
         return False, problem
     actual = "on" if state["two_step"] else "off"
-    if not state["signed_in"]:
-        return False, "signed out"
     return (actual == norm(params["value"])), f"two-step verification is {actual}"
 
 
 def check_display_name_is(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """The display name is `name` (case and spacing aside)."""
+    """The display name is `name` (case and spacing aside), signed in or not (see `check_two_step_is`)."""
     if problem := missing(params, "name"):
         return False, problem
     actual = state["display_name"]

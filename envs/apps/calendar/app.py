@@ -254,13 +254,22 @@ def check_event_created(params: dict[str, str], state: dict[str, Any]) -> tuple[
 
 
 def check_event_moved(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """The event `event` (one of that title, not a copy) is now on `day` at `time`."""
+    """The initial week's event titled `event` (by its id: a new event of that title is a copy, not the event
+    moved) is now on `day` at `time`, no other event has its title, and every other event of the week is as it was."""
     if problem := missing(params, "event", "day", "time"):
         return False, problem
+    seed = next((e for e in SEED_EVENTS if norm(e["title"]) == norm(params["event"])), None)
+    if seed is None:
+        return False, f"no event of the initial week is titled {params['event']!r}"
     found = _titled(state, params["event"])
     if len(found) != 1:
         return False, f"expected one event titled {params['event']!r}, found {len(found)} ({_at(found)})"
     event = found[0]
+    if event["id"] != seed["id"]:
+        return False, f"{params['event']!r} on {_at(found)} is a new event, not the initial week's, moved"
+    changed = [e["title"] for e in SEED_EVENTS if e["id"] != seed["id"] and e not in state.get("events", [])]
+    if changed:
+        return False, f"{params['event']!r} is on {_at(found)}, but {', '.join(map(repr, changed))} changed or went"
     if norm(event["day"]) == norm(params["day"]) and event["time"] == params["time"]:
         return True, f"{params['event']!r} is on {event['day']} at {event['time']}"
     return False, f"{params['event']!r} is on {event['day']} at {event['time']}, not {params['day']} {params['time']}"

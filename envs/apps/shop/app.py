@@ -269,7 +269,8 @@ class ShopApp(BundledApp):
 
     def _remove_from_cart(self, state: dict[str, Any], form: dict[str, str]) -> Response:
         index = form.get("index", "")
-        if index.isdigit() and int(index) < len(state["cart"]):
+        # isdecimal, not isdigit: "²" is a digit int() refuses, and the post answered 500.
+        if index.isdecimal() and int(index) < len(state["cart"]):
             del state["cart"][int(index)]
         return redirect("/cart")
 
@@ -304,43 +305,63 @@ class ShopApp(BundledApp):
 # --- checkers: they read the session state, never the screen ----------------------
 
 
-def check_in_cart(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """The cart holds a line of `dish` in `size` (any quantity)."""
+def _wanted(params: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
+    """The one line a goal asks for: `dish` in `size`, `quantity` of it (1 where the goal names none); or None and
+    why. A task that orders one dish is not done by an order that holds it among others or ten of it."""
     if problem := missing(params, "dish", "size"):
+        return None, problem
+    quantity = params.get("quantity") or "1"
+    if not quantity.isdecimal():
+        return None, f"checker param quantity must be a whole number, got {quantity!r}"
+    return {"dish": params["dish"], "size": params["size"], "quantity": int(quantity)}, ""
+
+
+def _exactly(lines: list[dict[str, Any]], want: dict[str, Any]) -> bool:
+    """The lines are the wanted line and nothing else (case and spacing of the names aside)."""
+    return (len(lines) == 1 and norm(lines[0]["dish"]) == norm(want["dish"])
+            and norm(lines[0]["size"]) == norm(want["size"]) and lines[0]["quantity"] == want["quantity"])
+
+
+def _lines_text(lines: list[dict[str, Any]]) -> str:
+    return "; ".join(_line_text(li) for li in lines) or "nothing"
+
+
+def check_in_cart(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
+    """The cart holds exactly `dish` in `size`, `quantity` of it (1 unless given), and nothing else."""
+    want, problem = _wanted(params)
+    if want is None:
         return False, problem
-    want = f"{params['size']} {params['dish']}"
-    for line in state.get("cart", []):
-        if norm(line["dish"]) == norm(params["dish"]) and norm(line["size"]) == norm(params["size"]):
-            return True, f"cart holds {_line_text(line)}"
-    found = "; ".join(_line_text(li) for li in state.get("cart", [])) or "nothing"
-    return False, f"no {want} in the cart; it holds {found}"
+    cart = state.get("cart", [])
+    if _exactly(cart, want):
+        return True, f"cart holds {_line_text(want)}"
+    return False, f"the cart should hold just {_line_text(want)}; it holds {_lines_text(cart)}"
 
 
 def check_order_placed(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """An order holds `dish` in `size`, goes to `address` and is paid by `payment`."""
+    """An order holds exactly `dish` in `size`, `quantity` of it (1 unless given), goes to `address` and is paid
+    by `payment`."""
     if problem := missing(params, "dish", "size", "address", "payment"):
+        return False, problem
+    want, problem = _wanted(params)
+    if want is None:
         return False, problem
     orders = state.get("orders", [])
     if not orders:
         return False, "no order was placed"
     reasons = []
     for order in orders:
-        has_line = any(
-            norm(li["dish"]) == norm(params["dish"]) and norm(li["size"]) == norm(params["size"])
-            for li in order["lines"]
-        )
         wrong = []
-        if not has_line:
-            wrong.append(f"lines {'; '.join(_line_text(li) for li in order['lines'])}")
+        if not _exactly(order["lines"], want):
+            wrong.append(f"lines {_lines_text(order['lines'])}")
         if norm(order["address"]) != norm(params["address"]):
             wrong.append(f"address {order['address']!r}")
         if norm(order["payment"]) != norm(params["payment"]):
             wrong.append(f"payment {order['payment']}")
         if not wrong:
-            return True, (f"order {order['number']}: {params['size']} {params['dish']} to "
+            return True, (f"order {order['number']}: {_line_text(want)} to "
                           f"{order['address']!r}, paid by {order['payment']}")
         reasons.append(f"order {order['number']} has {', '.join(wrong)}")
-    return False, (f"no order of {params['size']} {params['dish']} to {params['address']!r} paid by "
+    return False, (f"no order of just {_line_text(want)} to {params['address']!r} paid by "
                    f"{params['payment']}: " + "; ".join(reasons))
 
 

@@ -343,13 +343,20 @@ def _current(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_document_text(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:
-    """The open document's saved text contains `text` (case and spacing aside)."""
+    """The document open when the task starts (by its id: the task says "the open document", and another one
+    opened or made later is not it) keeps its saved text and has `text` added (case and spacing aside). Text typed
+    over the whole document replaced it, not added to it."""
     if problem := missing(params, "text"):
         return False, problem
-    doc = _current(state)
-    if norm(params["text"]) in norm(doc["text"]):
-        return True, f"{doc['title']!r} contains {params['text']!r}"
-    return False, f"{doc['title']!r} does not contain {params['text']!r}; it says {doc['text']!r}"
+    start = next(d for d in INITIAL_STATE["documents"] if d["id"] == INITIAL_STATE["current"])
+    doc = next((d for d in state.get("documents", []) if d["id"] == start["id"]), None)
+    if doc is None:
+        return False, f"{start['title']!r}, the document open at the start, was deleted"
+    if norm(params["text"]) not in norm(doc["text"]):
+        return False, f"{doc['title']!r} does not contain {params['text']!r}; it says {doc['text']!r}"
+    if norm(start["text"]) not in norm(doc["text"]):
+        return False, f"{doc['title']!r} contains {params['text']!r} but lost its text; it says {doc['text']!r}"
+    return True, f"{doc['title']!r} contains {params['text']!r} as well as its own text"
 
 
 def check_document_shared(params: dict[str, str], state: dict[str, Any]) -> tuple[bool, str]:

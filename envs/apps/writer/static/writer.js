@@ -95,9 +95,23 @@
     else if (target.dataset.href) window.location.assign(target.dataset.href);
   });
 
+  // The shortcuts Help > Keyboard shortcuts lists. Ctrl+S submits the editor's form itself rather than clicking
+  // the toolbar's Save: a click would be reported by the interaction recorder as one the user never made.
+  const shortcuts = {
+    "s": () => document.getElementById("editor").requestSubmit(),
+    "b": commands.bold,
+    "i": commands.italic,
+  };
+
   document.addEventListener("keydown", (event) => {
-    if (event.key !== "Escape") return;
-    closeMenus();
-    document.querySelectorAll("[role=dialog]").forEach((d) => { d.hidden = true; });
+    if (event.key === "Escape") {
+      closeMenus();
+      document.querySelectorAll("[role=dialog]").forEach((d) => { d.hidden = true; });
+      return;
+    }
+    const shortcut = shortcuts[event.key.toLowerCase()];
+    if (!event.ctrlKey || event.altKey || event.metaKey || !shortcut) return;
+    event.preventDefault();  // the browser's own Ctrl+S (save the page) and Ctrl+B/I (bookmarks, page info)
+    shortcut();
   });
 })();
