@@ -7,6 +7,7 @@ it. Everything comes from the run's catalog rows, so the report can be rebuilt l
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,7 +30,8 @@ from trajforge.rollout.stage import NOT_ROLLED_AGAIN, policy_summary
 from trajforge.synth import agentic_q, ces, pal_ui, pal_ui_sft
 from trajforge.synth.export import ROLE_TABLES
 
-ROLE_TABLE_NAMES = {t.table for t in ROLE_TABLES.values()}
+ROLE_OF = {t.table: role for role, t in ROLE_TABLES.items()}
+"""Training table -> the Mobile-Agent-v3 role whose answers fill it."""
 
 
 def _rate(successes: int, attempts: int) -> str:
@@ -90,17 +92,22 @@ def render_report(*, run_id: str, tag: str, history: pl.DataFrame, guidance: pl.
     return "\n".join(lines) + "\n"
 
 
-def _this_run(ws: Workspace, table: str, run_id: str) -> pl.DataFrame | None:
-    """The run's rows of a table, or None when the table does not exist yet (its stage never ran)."""
+def _this_run(ws: Workspace, table: str, run_id: str, *columns: str) -> pl.DataFrame | None:
+    """The run's rows of a table with run_id and those of `columns` the table has (a version written before a
+    column was added lacks it), or None when the table does not exist yet (its stage never ran). Scanned, not
+    loaded: a training table holds every night's screenshots (three nights of 500 train_e2e rows, 138 MB on disk:
+    loading it whole raised peak memory by 300-320 MB, a night's run_id and weight by 28 MB)."""
     if table not in ws.catalog.tables():
         return None
-    return ws.catalog.load(table).filter(pl.col("run_id") == run_id)
+    scan = ws.catalog.scan(table)
+    have = scan.collect_schema().names()
+    return scan.filter(pl.col("run_id") == run_id).select("run_id", *(c for c in columns if c in have)).collect()
 
 
 def render_yield(ws: Workspace, run_id: str) -> list[str]:
     """Rows each training and synthesis table got this run, by kind; a kind with zero rows is a bug to explain."""
     lines = ["## Training data written this run", "", "| table | kind | rows |", "| --- | --- | --- |"]
-    episodes = _this_run(ws, "episodes", run_id)
+    episodes = _this_run(ws, "episodes", run_id, "policy", "source")
     team = episodes is not None and episodes.filter(pl.col("policy") == "mobile_agent_v3").height > 0
     rolled = episodes is not None and episodes.filter(pl.col("source").fill_null("policy") == "policy").height > 0
     for table, column in (("episodes", "source"), ("train_e2e", None), ("train_manager", None), ("train_worker", None),
@@ -112,24 +119,24 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
                           ("ces_coordinator_rl", "zero_variance"), ("ces_coordinator_sft", "silver"),
                           ("ces_state_tracker_rl", "zero_variance"), ("ces_state_tracker_sft", None),
                           ("agentic_q_values", "level"), ("agentic_q_groups", "kept")):
-        rows = _this_run(ws, table, run_id)
+        rows = _this_run(ws, table, run_id, *([column] if column else []))
         if rows is None:
             lines.append(f"| {table} | - | table not written yet |")
         elif column is None or rows.height == 0:
             why = ""
-            if table in ROLE_TABLE_NAMES and not team:
+            if table in ROLE_OF and not team:
                 why = " (no mobile_agent_v3 episode this run)"
             elif table == "train_e2e" and rows.height == 0:
                 why = (" (no policy trajectory passed the critics and filters: see below)" if rolled
                        else " (no policy episode this run)")
             elif rows.height == 0:
-                why = _why_empty(_lineage_of_run(ws, table, run_id))
+                why = _why_empty(_lineage_of_run(ws, table, run_id), ROLE_OF.get(table))
             lines.append(f"| {table} | all | {rows.height}{why} |")
         else:
             for value, n in rows.group_by(column).len().sort(column).iter_rows():
                 kind = "policy" if value is None else value if isinstance(value, str) else f"{column} {value}"
                 lines.append(f"| {table} | {kind} | {n} |")
-    manuals = _this_run(ws, "manuals", run_id)
+    manuals = _this_run(ws, "manuals", run_id, "app", "family", "success_before", "success_with", "trial_queries")
     if manuals is not None and manuals.height:
         lines += ["", "### Manuals and their measured value", "",
                   "| app | family | success before | success with the manual | trial queries |",
@@ -141,15 +148,23 @@ def render_yield(ws: Workspace, run_id: str) -> list[str]:
     return lines + [""]
 
 
-def _why_empty(lineage: Lineage | None) -> str:
+def _why_empty(lineage: Lineage | None, role: str | None = None) -> str:
     """Why the stage wrote no row, for the yield table: its drops and the counts it phrased as a cause ("synth.writer
     is template: no plan asked", agentic-Q waiting for enough attempts), the two most frequent; without either,
-    its two largest counts. A count of work done ("manual trial episodes") beside a cause would read as one."""
+    its two largest counts. A count of work done ("manual trial episodes") beside a cause would read as one.
+
+    A role's table (`role`) gets the drops that name the role ("worker: filter 2, ...", "filter 4: reflector ...")
+    only: the export stage's lineage holds every table's, and train_e2e's filters drop no role's answer. Each role
+    answer of an accepted trajectory is written or dropped by such a reason, so none means there was no answer."""
     if lineage is None:
         return ""
-    stats = Counter(lineage.stats)
-    causes = Counter(lineage.dropped) + Counter({what: n for what, n in stats.items() if ": " in what})
-    counts = causes or stats
+    if role is not None:
+        counts = Counter({what: n for what, n in lineage.dropped.items() if re.search(rf"\b{role}\b", what)})
+        if not counts:
+            return f" (no {role} answer in an accepted trajectory)"
+    else:
+        stats = Counter(lineage.stats)
+        counts = Counter(lineage.dropped) + Counter({what: n for what, n in stats.items() if ": " in what}) or stats
     return " (" + "; ".join(f"{what}: {n}" for what, n in counts.most_common(2)) + ")" if counts else ""
 
 
@@ -182,7 +197,7 @@ def render_filters(ws: Workspace, run_id: str) -> list[str]:
     lines += [f"| kept in {table} | {n} |" for table, n in sorted(lineage.kept.items())]
     lines += [f"| dropped: {reason} | {n} |" for reason, n in sorted(lineage.dropped.items())]
     lines += [f"| {name} | {n} |" for name, n in sorted(lineage.stats.items()) if name.startswith("filter")]
-    rows = _this_run(ws, "train_e2e", run_id)
+    rows = _this_run(ws, "train_e2e", run_id, "weight")
     if rows is not None and rows.height and "weight" in rows.columns:
         lines += ["", (f"Row weights (filter 3): min {rows['weight'].min():.2f}, mean {rows['weight'].mean():.2f}, "
                   f"max {rows['weight'].max():.2f}.")]
@@ -216,7 +231,7 @@ def render_calibration(ws: Workspace, run_id: str) -> list[str]:
 
 def render_reasoning(ws: Workspace, run_id: str) -> list[str]:
     """Reasoning synthesis this run: per hint style, the share of tried steps that got an accepted reasoning."""
-    samples = _this_run(ws, "reasoning_samples", run_id)
+    samples = _this_run(ws, "reasoning_samples", run_id, "step_id", "kept", "hint_style")
     if samples is None or samples.height == 0:
         return []
     tried = samples["step_id"].n_unique()
@@ -360,14 +375,7 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     history = ws.catalog.load("query_history")
     guidance = ws.catalog.load("guidance").filter(pl.col("run_id") == run_id)
     checkpoints = ws.catalog.load("checkpoints")  # an empty frame until the train stage first commits
-    before = history.filter(pl.col("run_id") != run_id)
-    now = history.filter(pl.col("run_id") == run_id)
-    loop = ws.settings.loop
-    hard_before = [
-        q for q in now["query_id"].unique().sort()
-        if hardness(list(before.filter(pl.col("query_id") == q).select("judged_at", "success").iter_rows()),
-                    window=loop.window, below=loop.hard_below).hard
-    ]
+    hard_before = hard_when_begun(ws, run_id, history.filter(pl.col("run_id") != run_id))
     path = ws.catalog.warehouse / "reports" / f"{run_id}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     rollout = _lineage_of_run(ws, "episodes", run_id, stage="rollout")
@@ -380,8 +388,37 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
     path.write_text(report + "\n" + "\n".join(
         render_policy(ws, run_id) + render_yield(ws, run_id) + render_filters(ws, run_id)
         + render_calibration(ws, run_id) + render_reasoning(ws, run_id) + render_step_datasets(ws, run_id)
-        + render_iterations(history, checkpoints, run_id) + plots))
+        + render_iterations(history, checkpoints, run_id) + plots + render_versions(snapshots, tag)))
     return path
+
+
+def render_versions(snapshots: list[tuple[str, SnapshotInfo]], tag: str) -> list[str]:
+    """The version of each table the run made (its last commit to it: the one a nightly tags), in the order the run
+    first wrote each, as the run command prints them: `TABLE@SNAPSHOT` or `TABLE@TAG` reads the night's data."""
+    last: dict[str, SnapshotInfo] = {}
+    for table, info in snapshots:
+        last[table] = info  # a table written again keeps its place
+    lines = ["## Versions this run made", "", "| table | rows added | rows in the version | snapshot | tag |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {table} | {info.added_rows} | {info.total_rows} | {info.snapshot_id} | "
+              f"{tag if tag in info.tags else '-'} |" for table, info in last.items()]
+    return lines + [""]
+
+
+def hard_when_begun(ws: Workspace, run_id: str, before: pl.DataFrame) -> list[str]:
+    """The queries hard when the run began, as its guidance stage judged them: each query of the queries version
+    that stage read (the night's whole query set), on the attempts before this run (`before`). The queries judged
+    this run would leave out a hard query that loop.max_guided cut and the rollout did not roll again."""
+    lineage = _lineage_of_run(ws, "guidance", run_id, stage="guidance")
+    if lineage is None or "queries" not in lineage.inputs:
+        return []
+    queries, _ = ws.catalog.rows_added("queries", lineage.inputs["queries"])
+    attempts: dict[str, list[tuple[datetime, bool]]] = {}
+    for query_id, judged_at, success in before.select("query_id", "judged_at", "success").iter_rows():
+        attempts.setdefault(query_id, []).append((judged_at, success))
+    loop = ws.settings.loop
+    return sorted(q for q in set(queries["query_id"])
+                  if hardness(attempts.get(q, []), window=loop.window, below=loop.hard_below).hard)
 
 
 # ------------------------------------------------------------------- plots
@@ -399,7 +436,12 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _short(text: str, size: int = 70) -> str:
-    return text if len(text) <= size else text[: size - 1] + "…"
+    """`text` cut to `size` characters in its middle: a stage's reasons share their start ("element: not unique
+    ...") more often than their end."""
+    if len(text) <= size:
+        return text
+    head = (size - 1) // 2
+    return text[:head] + "…" + text[len(text) - (size - 1 - head):]
 
 
 def _night_figure(nights: list[str]) -> Figure:
@@ -466,11 +508,15 @@ def plot_labels(frame: pl.DataFrame) -> Figure:
 
 
 def plot_rejections(frame: pl.DataFrame) -> Figure:
-    """Rows dropped per stage and reason, largest first: where the night's data went."""
-    frame = frame.sort("rows")
-    fig = _figure(9.0, 1.0 + 0.3 * frame.height)
+    """Rows dropped per stage and reason, largest first: where the night's data went. Two reasons that shorten to
+    one label are one bar of their summed rows: matplotlib puts equal labels on one row, one bar hiding the other."""
+    rows: Counter[str] = Counter()
+    for stage, reason, n in frame.select("stage", "reason", "rows").iter_rows():
+        rows[_short(f"{stage}: {reason}")] += n
+    labels = sorted(rows, key=lambda label: (rows[label], label))
+    fig = _figure(9.0, 1.0 + 0.3 * len(labels))
     ax = fig.add_subplot()
-    ax.barh([_short(f"{s}: {r}") for s, r in frame.select("stage", "reason").iter_rows()], frame["rows"].to_list())
+    ax.barh(labels, [rows[label] for label in labels])
     ax.tick_params(axis="y", labelsize="small")
     ax.set_xlabel("rows dropped")
     ax.set_title("Rejections per filter")
@@ -536,7 +582,7 @@ def _run_snapshots(ws: Workspace, run_id: str) -> list[tuple[str, SnapshotInfo]]
 
 def label_mix(ws: Workspace, run_id: str) -> pl.DataFrame:
     """Step critiques of the run per critic and label ('unparsed': the critic's answer did not parse)."""
-    rows = _this_run(ws, "step_critiques", run_id)
+    rows = _this_run(ws, "step_critiques", run_id, "critic", "label")
     if rows is None:
         return pl.DataFrame(schema={"critic": pl.String, "label": pl.String, "rows": pl.UInt32})
     return (rows.with_columns(pl.col("label").fill_null("unparsed"))

@@ -19,7 +19,8 @@ from test_catalog import lineage, query_row
 from trajforge.data.catalog import Catalog
 from trajforge.data.notebook import open_catalog
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS_DIR = Path(__file__).parent.parent / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 
 
 def run_notebook(path: Path, cwd: Path, jupyter_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -60,6 +61,25 @@ def test_notebook_runs_on_a_night(path, replay_night, tmp_path, monkeypatch):
         steps = [o for o in trajectory if "**step " in o.get("data", {}).get("text/markdown", "")]
         assert steps and len(images) == len(steps), "every step is shown with its screenshot"
         assert any("image/png" in o.get("data", {}) for o in outputs(nb, "success-plot"))
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["before-the-first-nightly", "a-night-that-judged-nothing"])
+def test_nights_notebook_says_when_there_is_no_night_to_show(tagged, tmp_path, monkeypatch, no_config_env):
+    """Before the first nightly (stages run by hand) no version is tagged nightly-...; a second night on the same
+    queries rolls none again, so its verdicts version is empty. Either way the notebook says so and runs on."""
+    (tmp_path / "trajforge.yaml").write_text("warehouse:\n  path: store\n")
+    with Catalog(tmp_path / "store") as catalog:
+        for table in ("train_e2e", "verdicts"):
+            snapshot = catalog.commit_rows(table, [], lineage(f"night:{table}", "export", run_id="night"))
+            if tagged:
+                catalog.tag(table, snapshot, "nightly-2026-11-22")
+    nb = run_notebook(NOTEBOOKS_DIR / "nights.ipynb", tmp_path, tmp_path / "jupyter", monkeypatch)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    if tagged:
+        assert "train_e2e@nightly-2026-11-22: 0 rows" in text
+        assert "verdicts@nightly-2026-11-22: the night judged no episode" in text
+    else:
+        assert "no version is tagged nightly-YYYY-MM-DD" in text and "no trajectory to show" in text
 
 
 def test_nights_notebook_is_stored_without_outputs():
