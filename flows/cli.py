@@ -931,8 +931,10 @@ def apps_check(
         raise _fail(str(exc)) from None
     chromium = settings.rollout.chromium
     try:
+        # Template wording: the check is of pages, elements and goals, and needs no model gateway.
         made = generate_queries([kind], run_id="apps-check", settings=settings.query_gen.model_copy(update={
-            "num_queries": queries, "atomic_per_app": 0, "validate_interface": True}), chromium=chromium)
+            "num_queries": queries, "atomic_per_app": 0, "validate_interface": True, "instructions": "template"}),
+            chromium=chromium)
         found = made.rows["queries"]
         with tempfile.TemporaryDirectory() as blobs:
             replay = settings.rollout.model_copy(update={"policy": "replay", "samples_per_query": 1})

@@ -36,6 +36,7 @@ from trajforge.envs.axtree import AXNode
 from trajforge.envs.browser import Box, BrowserEnv, EnvFault
 from trajforge.envs.locate import MAX_SCROLLS, find_boxes, passage_boxes
 from trajforge.envs.operations import SPACE_OPS, Operation, OpKind, dump_operations
+from trajforge.envs.secrets import PLACEHOLDER
 from trajforge.envs.spec import AppSpec, placeholders
 from trajforge.schemas.ids import digest
 from trajforge.schemas.records import Query
@@ -327,7 +328,10 @@ def atomic_queries(spec: AppSpec, base_url: str, env: BrowserEnv, *, n: int, see
     rng = random.Random(f"{seed}:{spec.app}")
     routes = crawlable_routes(spec)
     routes = routes[:1] + rng.sample(routes[1:], min(len(routes) - 1, max_pages - 1))
-    fields_text = sorted({v for vs in spec.slot_values().values() for v in vs if 2 < len(v) <= 40})
+    # A secret's placeholder is no text to make up: typed into a plain field (the account's Username) it would
+    # put the password on the screen and in the app's state.
+    fields_text = sorted({v for vs in spec.slot_values().values() for v in vs
+                          if 2 < len(v) <= 40 and not PLACEHOLDER.search(v)})
     pool: dict[str, list[_Candidate]] = {op: [] for op in wanted}
     for route in routes:
         try:

@@ -1,7 +1,8 @@
 """Query quality: near-duplicate removal and coverage of the page graphs (issue 5, part 4).
 
-Two instructions that differ only in case, punctuation or spacing ask the same thing,
-and a dataset that repeats them teaches less per episode. Coverage says how much of
+Two instructions that differ only in case, punctuation or spacing, and whose goals are
+checked with the same parameters, ask the same thing, and a dataset that repeats them
+teaches less per episode. Coverage says how much of
 each app's graph the kept queries exercise, so a run that only ever samples the
 shortest route is visible in its lineage.
 """
@@ -23,12 +24,15 @@ def normalise(instruction: str) -> str:
 
 
 def remove_near_duplicates(queries: list[Query]) -> tuple[list[Query], Counter[str]]:
-    """The first query of each (app, normalised instruction); the others are counted as dropped."""
-    seen: set[tuple[str, str]] = set()
+    """The first query of each (app, normalised instruction, checker and its parameters); the others are counted
+    as dropped. The check is part of the key because `normalise` drops signs and symbols: "to -5" and "to 5", or
+    "C++" and "C#", read alike to it but are different tasks."""
+    seen: set[tuple[str, str, str, str]] = set()
     kept: list[Query] = []
     dropped: Counter[str] = Counter()
     for query in queries:
-        key = (query.app, normalise(query.instruction))
+        params = json.dumps(json.loads(query.checker_params_json), sort_keys=True)
+        key = (query.app, normalise(query.instruction), query.checker, params)
         if key in seen:
             dropped[f"{query.app}: near-duplicate instruction"] += 1
         else:

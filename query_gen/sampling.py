@@ -1,13 +1,15 @@
 """Path sampling on a page graph and template instructions (paper 6.2, steps 1-3).
 
-Paths run from the start page to a goal page. Sampling is seeded and weighted toward
-paths through rarely used transitions, so a small budget still covers the graph instead
-of repeating its shortest route.
+Paths run from the start page to a goal page. Sampling is seeded; it draws each path
+in turn (the least drawn first, then the one through the least used transition), so a
+small budget still covers the graph instead of repeating its shortest route, and drops a
+path once every slot combination of it has been drawn.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -81,26 +83,39 @@ def goal_paths(spec: AppSpec, max_len: int) -> list[list[str]]:
     return sorted(paths)
 
 
-def sample_tasks(spec: AppSpec, n: int, *, seed: int, max_len: int) -> list[SampledTask]:
-    """Up to n tasks with distinct instructions; fewer when the graph and its slots allow fewer."""
+@dataclass(frozen=True)
+class Sample:
+    """The sampled tasks, and whether sampling drew every path's every slot combination (exhausted): only then is
+    a shortfall below n the graph's own limit rather than the draw cap's."""
+
+    tasks: list[SampledTask]
+    exhausted: bool
+
+
+def sample_tasks(spec: AppSpec, n: int, *, seed: int, max_len: int) -> Sample:
+    """Up to n tasks with distinct instructions; fewer when the graph and its slots allow fewer, or when
+    n * 20 draws gave no more."""
     rng = random.Random(seed)
     paths = goal_paths(spec, max_len)
     # A path that fills slots its goal does not ask for is sampled only for a goal that has no other path.
     fits = [_asks_for_all(spec, p) for p in paths]
     exact = {p[-1] for p, fit in zip(paths, fits) if fit}
     paths = [p for p, fit in zip(paths, fits) if fit or p[-1] not in exact]
-    if not paths:
-        return []
     g = spec.graph()
     values = spec.slot_values()
+    combinations = {tuple(p): math.prod(len(set(values[s])) for s in _slots_used(spec, p)) for p in paths}
+    drawn: dict[tuple[str, ...], set[tuple[tuple[str, str], ...]]] = {tuple(p): set() for p in paths}
+    draws: Counter[tuple[str, ...]] = Counter()
     edge_use: Counter[tuple[str, str]] = Counter()
     tasks: dict[str, SampledTask] = {}
     instructions: set[str] = set()
     attempts = 0
-    while len(tasks) < n and attempts < n * 20:
+    while paths and len(tasks) < n and attempts < n * 20:
         attempts += 1
-        # Prefer the path whose least-used transition has been used least (ties at random).
-        path = min(paths, key=lambda p: (min(edge_use[e] for e in zip(p, p[1:])), rng.random()))
+        # The least-drawn path first, so that a goal whose only route lies inside other goals' routes (the account
+        # app's sign-in) gets its turn; among those, the one whose least-used transition has been used least.
+        path = min(paths, key=lambda p: (draws[tuple(p)], min(edge_use[e] for e in zip(p, p[1:])),
+                                         rng.random()))
         slots = {name: rng.choice(values[name]) for name in sorted(_slots_used(spec, path))}
         goal = spec.pages[path[-1]].goal
         assert goal is not None
@@ -118,7 +133,9 @@ def sample_tasks(spec: AppSpec, n: int, *, seed: int, max_len: int) -> list[Samp
         if task.instruction.casefold() not in instructions:
             instructions.add(task.instruction.casefold())
             tasks[task.query_id] = task
-        # Count every draw, duplicates too: a path whose tasks are used up must lose
-        # its turn, or it would win every later draw.
+        draws[task.path] += 1
         edge_use.update(zip(path, path[1:]))
-    return list(tasks.values())
+        drawn[task.path].add(task.slots)
+        if len(drawn[task.path]) == combinations[task.path]:
+            paths.remove(path)  # every task it can give has been drawn
+    return Sample(list(tasks.values()), exhausted=not paths)

@@ -6,10 +6,10 @@ instructions; find atomic-operation queries on the live pages; with
 `validate_interface`, crawl the live app and drop queries whose pages, slot values or
 target elements are gone; for the apps named in `deep_search_apps`, search the live
 accessibility tree for menu, tab and dialog pathways and make queries of them. A user's
-own app (an app directory) gets all of it but deep search, which runs on a bundled app's
-own server. Coverage
-of the graph, operation kinds and sources go into the stage's statistics, and every
-drop is counted under its reason, so the lineage explains each missing query.
+own app (an app directory) gets all of it, deep search too when `deep_search_apps` names
+it (`run query_gen --app-dir DIR --deep-search`). Coverage of the graph, operation kinds
+and sources go into the stage's statistics, and every drop is counted under its reason,
+so the lineage explains each missing query.
 """
 
 from __future__ import annotations
@@ -143,11 +143,14 @@ def generate_queries(
 def _page_graph_queries(spec: AppSpec, settings: QueryGenSettings, synthesiser: Synthesiser | None,
                         out: StageOutput, *, run_id: str, now: datetime) -> list[Query]:
     """Sampled paths with their instructions (template, or written by the model), near-duplicates dropped."""
-    tasks = sample_tasks(spec, settings.num_queries, seed=settings.seed, max_len=settings.max_path_len)
-    if len(tasks) < settings.num_queries:
-        out.dropped[f"{spec.app}: graph has fewer distinct tasks than num_queries"] += settings.num_queries - len(tasks)
+    sample = sample_tasks(spec, settings.num_queries, seed=settings.seed, max_len=settings.max_path_len)
+    if len(sample.tasks) < settings.num_queries:
+        # Only a graph whose every task was drawn has fewer than asked; else the draw cap stopped repeats.
+        why = ("graph has fewer distinct tasks than num_queries" if sample.exhausted
+               else "sampling stopped at its draw cap (num_queries x 20) on repeated tasks, short of num_queries")
+        out.dropped[f"{spec.app}: {why}"] += settings.num_queries - len(sample.tasks)
     queries: list[Query] = []
-    for task in tasks:
+    for task in sample.tasks:
         if synthesiser is None:
             instruction, generator = task.instruction, TEMPLATE_GENERATOR
         else:

@@ -294,3 +294,16 @@ def test_fewer_queries_than_asked_for_are_counted_with_the_reason(chromium: Path
                                 now=NOW, margin=3, ops=("click",), max_pages=1)
     assert len(result.queries) == 3
     assert result.skipped["notes: fewer candidates on the pages opened than asked for (atomic_per_app)"] == 2
+
+
+@pytest.mark.browser
+def test_no_field_is_asked_to_take_a_secret(chromium: Path) -> None:
+    """The account app's password slot is a `<secret>` placeholder: picked as text for its Username field (1 draw in
+    5 once), the query would have the password typed in the clear, onto the screen and into the app's state."""
+    account = load_app("account")
+    with AppServer(account) as server, BrowserEnv(viewport="desktop", chromium=chromium) as env:
+        typed = [op_of(q).text or "" for seed in range(20) for q in atomic_queries(
+            account.spec, server.base_url, env, n=1, seed=seed, space="desktop", run_id="t", now=NOW, margin=3,
+            ops=("type_at",), max_pages=1).queries]
+    assert len(typed) == 20 and "alice" in typed
+    assert not [t for t in typed if "<secret>" in t]

@@ -68,7 +68,7 @@ def test_slot_check_reads_whole_words_case_insensitively() -> None:
 
 def test_model_synthesises_and_refines_with_the_slot_constraint(shop: BundledApp, gateway: Gateway) -> None:
     synthesiser = Synthesiser(gateway)
-    tasks = sample_tasks(shop.spec, 2, seed=0, max_len=8)
+    tasks = sample_tasks(shop.spec, 2, seed=0, max_len=8).tasks
     calls_before = gateway.stats.calls
     for task in tasks:
         written = synthesiser(shop.spec, task)
@@ -259,6 +259,22 @@ def test_near_duplicates_differ_only_in_case_punctuation_and_spacing(shop: Bundl
     assert stats["coverage: shop: slot values used"] == 3  # Pad Thai, Small, Large
 
 
+def test_instructions_that_differ_only_in_a_sign_or_symbol_are_both_kept_when_their_checks_differ() -> None:
+    """Words alone make "-5" and "5", "C++" and "C#" one instruction; their checker parameters tell them apart."""
+    def asking(instruction: str, query_id: str, **params: str) -> Query:
+        return query(instruction, ["home"], {}, query_id).model_copy(
+            update={"checker_params_json": json.dumps(params)})
+
+    cold = asking("Set the temperature to -5", "cold", temperature="-5")
+    mild = asking("Set the temperature to 5", "mild", temperature="5")
+    cpp = asking("Add the C++ book", "cpp", title="C++")
+    csharp = asking("Add the C# book", "csharp", title="C#")
+    again = asking("add the c++ book!", "again", title="C++")
+    kept, dropped = remove_near_duplicates([cold, mild, cpp, csharp, again])
+    assert [q.query_id for q in kept] == ["cold", "mild", "cpp", "csharp"]
+    assert dropped == {"shop: near-duplicate instruction": 1}
+
+
 def test_the_crawl_viewport_is_part_of_query_generations_config_hash(tmp_path):
     """A desktop night crawls other screens (the pages rows) and validates for another action space than a mobile
     one: its lineage must not claim the same configuration."""
@@ -281,7 +297,7 @@ def test_a_reference_path_counts_the_replays_click_before_typing() -> None:
     """The replay clicks a field before typing into it: Compose, then To, Subject and Message each a click and the
     text, then Send and the final terminate, 10 steps, so `max_steps` leaves the whole margin beyond them."""
     mail = load_app("mail")
-    tasks = sample_tasks(mail.spec, 30, seed=0, max_len=8)
+    tasks = sample_tasks(mail.spec, 30, seed=0, max_len=8).tasks
     compose = next(t for t in tasks if t.path == ("inbox", "compose", "sent"))
     assert compose.reference_steps == 1 + 3 * 2 + 1 + 1
     starred = next(t for t in tasks if t.path == ("inbox", "search", "message", "message_starred"))
