@@ -5,7 +5,8 @@ sampled path (the pages' descriptions and purposes, the slot values), writes a
 constrained instruction, then rewrites it as the request a person would make. The
 model may lose a slot on the way ("Order me a pizza" when the task needs a Large
 Margherita Pizza), and a query whose instruction does not name its slots cannot be
-checked against them, so the final text must contain every slot value; otherwise the
+checked against them, so the final text must contain every slot value, and must not ask
+for a toggle the other way ("Turn off notifications on FreshCart" holds "on"); otherwise the
 template instruction stands and the reason is counted.
 """
 
@@ -69,6 +70,32 @@ def missing_slot(instruction: str, slots: dict[str, str]) -> str | None:
     return None
 
 
+TOGGLE_FLIPS = {
+    "on": r"(?<!\w)(disabl|deactivat)\w*",
+    "off": r"(?<!\w)(enabl|activat)\w*",
+}
+"""Verbs that ask for the opposite of a toggle slot's value ("on", "off")."""
+
+
+def flipped_toggle(instruction: str, slots: dict[str, str]) -> str | None:
+    """The first toggle slot ("on" or "off") the instruction asks for the other way, or None.
+
+    "on" is in almost every sentence ("... on FreshCart"), so the whole-word check passes "Turn off order
+    notifications on FreshCart" for notifications=on. This reads a toggle as the word after turn, switch, toggle
+    or set, with at most three words between none of which is the value itself ("switch off notifications on
+    FreshCart" asks for off), and the verbs that name the other way (enable, disable).
+    """
+    for name, value in slots.items():
+        other = {"on": "off", "off": "on"}.get(value.casefold())
+        if other is None:
+            continue
+        toggled = rf"(?<!\w)(turn|switch|toggle|set)\s+(?:(?!{value}\b)\w+\s+){{0,3}}?{other}(?!\w)"
+        if re.search(toggled, instruction, re.IGNORECASE) or re.search(TOGGLE_FLIPS[value.casefold()], instruction,
+                                                                        re.IGNORECASE):
+            return name
+    return None
+
+
 class Synthesiser:
     """Asks one model of a gateway for the instructions of sampled tasks."""
 
@@ -106,6 +133,8 @@ class Synthesiser:
         lost = missing_slot(final, slots)
         if lost is not None:
             return self._template(task, model_id, f"refined instruction dropped slot {lost!r}", raw)
+        if (flipped := flipped_toggle(final, slots)) is not None:
+            return self._template(task, model_id, f"refined instruction asks for slot {flipped!r} the other way", raw)
         return Synthesis(final, self.generator(model_id), model_id, None, tuple(raw))
 
     @staticmethod

@@ -151,7 +151,7 @@ class QueryGenSettings(_Section):
         default="template",
         description="template: the goal page's instruction template; model: a model synthesises an instruction "
         "from the path's metadata and refines it into a natural request (prompts query_synthesis and "
-        "query_refine), falling back to the template when it loses a slot value.",
+        "query_refine), falling back to the template when it loses a slot value or asks for a toggle the other way.",
     )
     instruction_model: str | None = Field(
         default=None, description="The llm model that writes instructions ('local' or an endpoint); default llm.default."

@@ -24,7 +24,7 @@ from trajforge.llm.local import SMOLLM2_ID
 from trajforge.query_gen.quality import coverage, normalise, remove_near_duplicates
 from trajforge.query_gen.sampling import TEMPLATE_GENERATOR, sample_tasks
 from trajforge.query_gen.stage import generate_queries
-from trajforge.query_gen.synthesis import Synthesiser, missing_slot
+from trajforge.query_gen.synthesis import Synthesiser, flipped_toggle, missing_slot
 from trajforge.query_gen.validation import InterfaceValidator
 from trajforge.schemas.config import QueryGenSettings
 from trajforge.schemas.records import Query
@@ -66,6 +66,18 @@ def test_slot_check_reads_whole_words_case_insensitively() -> None:
     assert missing_slot("Order me a Pad Thai", {"dish": "Pad Thai", "size": "Small"}) == "size"
 
 
+def test_a_toggle_asked_for_the_other_way_is_caught_though_its_value_is_a_word_of_the_sentence() -> None:
+    on = {"notifications": "on"}
+    assert missing_slot("Turn off order notifications on FreshCart", on) is None  # "on" is in the sentence
+    assert flipped_toggle("Turn off order notifications on FreshCart", on) == "notifications"
+    assert flipped_toggle("Please disable order notifications on FreshCart", on) == "notifications"
+    assert flipped_toggle("Turn order notifications on in FreshCart", on) is None
+    assert flipped_toggle("Switch on notifications", {"notifications": "off"}) == "notifications"
+    assert flipped_toggle("Turn the dark theme on", {"dark_theme": "off"}) == "dark_theme"
+    assert flipped_toggle("Switch off notifications on FreshCart", {"notifications": "off"}) is None
+    assert flipped_toggle("Order a Large Pad Thai", {"size": "Large", "dish": "Pad Thai"}) is None
+
+
 def test_model_synthesises_and_refines_with_the_slot_constraint(shop: BundledApp, gateway: Gateway) -> None:
     synthesiser = Synthesiser(gateway)
     tasks = sample_tasks(shop.spec, 2, seed=0, max_len=8).tasks
@@ -80,7 +92,8 @@ def test_model_synthesises_and_refines_with_the_slot_constraint(shop: BundledApp
         else:
             assert (written.instruction, written.generator) == (task.instruction, TEMPLATE_GENERATOR)
             assert written.fallback_reason.startswith(("refined instruction dropped slot", "synthesised instruction",
-                                                       "refined instruction did not parse"))
+                                                       "refined instruction did not parse",
+                                                       "refined instruction asks for slot"))
     assert gateway.stats.calls - calls_before >= len(tasks)  # real calls, at least one per task
 
 
