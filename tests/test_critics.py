@@ -168,16 +168,18 @@ def endpoint_gateway(url: str, blobs: BlobStore, vision: bool) -> Gateway:
 def test_step_critic_records_unparsed_answers_and_failed_calls(recorded):
     blobs, episodes = recorded
     settings = CriticSettings(step_model="vl", text_channel=False)
-    replies = (Reply(text="GOOD, it opened the page"), Reply(status=400), Reply())
+    judged = '{"analysis": "The page opened.", "summary": "opened the page", "label": "GOOD"}'
+    replies = (Reply(text="GOOD, it opened the page"), Reply(status=400), Reply(judged))
     with ScriptedServer(*replies) as server, endpoint_gateway(server.url, blobs, vision=True) as gw:
         out = judge([episodes["replay"]], run_id="r", settings=settings, config_hash="h",
                     checker_for=checker_for, blobs=blobs, gateway=gw)
-    first, second = out.rows["step_critiques"][:2]
+    first, second, third = out.rows["step_critiques"][:3]
     assert (first.label, first.raw_output, first.critic) == (None, "GOOD, it opened the page", "critic_step@1")
     assert first.parse_error.startswith("not one JSON object")
     assert first.summary.startswith("click"), "an unusable answer leaves the action as the history's summary"
     assert second.label is None and "no answer" in second.parse_error and "BadRequestError" in second.parse_error
-    assert out.stats["step critiques without a label (unparsed or no answer)"] >= 2
+    assert (third.label, third.parse_error, third.summary) == ("GOOD", None, "opened the page")
+    assert out.stats["step critiques without a label (unparsed or no answer)"] == 2
 
 
 # ---------------------------------------------------------------- trajectory channels and consensus

@@ -14,15 +14,17 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from conftest import require
 from PIL import Image
+from scripted import Reply, ScriptedServer, message_text
 
 from trajforge.data.blobs import BlobStore
+from trajforge.envs.browser import Observation
 from trajforge.guidance.distill import Describer, guidance_row, rule_check
 from trajforge.guidance.history import hardness
 from trajforge.guidance.stage import HardQuery, guide, load_demonstrations
-from trajforge.llm import Gateway, load_prompt
+from trajforge.llm import Gateway
 from trajforge.llm.local import missing_models
-from trajforge.rollout.gui_owl import PROMPT, ToolCall, to_action, to_call
-from trajforge.schemas.config import Settings
+from trajforge.rollout.gui_owl import GuiOwlPolicy, ToolCall, to_action, to_call
+from trajforge.schemas.config import LLMSettings, Settings
 from trajforge.schemas.records import Query
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -129,11 +131,24 @@ def test_training_calls_invert_the_policy_parser():
         assert to_action(ToolCall.model_validate(call), "mobile_use") == action
 
 
-def test_guidance_text_reaches_the_policy_prompt():
-    rendered = load_prompt(PROMPT).render(platform="mobile", width=412, height=915, tools="{}", function="mobile_use",
-                                          task="Open the settings", guidance="1. click on link 'Settings'",
-                                          history=[], screenshots=[])
-    assert "Guidance for this task: 1. click on link 'Settings'" in rendered.messages[-1].content[-1].text
+def test_guidance_text_reaches_the_model_request(tmp_path):
+    """The policy hands a query's guidance to the model: the request the server receives for a guided query
+    carries the text, and one for a query without guidance carries none (no stale text from the last query)."""
+    llm = LLMSettings.model_validate({"endpoints": {"m": {"base_url": "", "model": "scripted", "max_retries": 0,
+                                                          "timeout_s": 5, "vision": True}},
+                                      "default": "m", "reask": 0, "cache": False})
+    answer = '<tool_call>{"name": "mobile_use", "arguments": {"action": "click", "coordinate": [10, 20]}}</tool_call>'
+    screen = Observation(png=_png((255, 255, 255)), width=412, height=915, url="/", title="t", nodes=())
+    with ScriptedServer(Reply(answer)) as server:
+        llm.endpoints["m"].base_url = server.url
+        with Gateway(llm, blobs=BlobStore(tmp_path / "blobs")) as gateway:
+            policy = GuiOwlPolicy(gateway, viewport="mobile", guidance={"q": "1. click on link 'Settings'"})
+            for query_id in ("q", "other"):
+                policy.reset(Query.model_construct(query_id=query_id, instruction="Open the settings"))
+                assert policy.act(screen, None).action == {"type": "click", "x": 10, "y": 20}
+    guided, unguided = (message_text(r["body"]["messages"][-1]) for r in server.requests)
+    assert "Guidance for this task: 1. click on link 'Settings'" in guided
+    assert "Task: Open the settings" in unguided and "Guidance for this task" not in unguided
 
 
 def _png(color: tuple[int, int, int]) -> bytes:

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -147,8 +148,11 @@ def test_unusable_input_scores_zero_and_never_raises(night):
 
 def test_only_a_queries_version_into_a_new_folder(night, tmp_path):
     ws, tag, _, _, _ = night
-    for ref in (f"episodes@{tag}", "queries", "queries@no-such-tag"):
-        with pytest.raises(ExportError, match="queries"):
+    refused = {f"episodes@{tag}": "the verl export takes a version of queries",
+               "queries": "name the version of queries to export: queries@TAG",
+               "queries@no-such-tag": "table 'queries' has no tag 'no-such-tag'"}
+    for ref, says in refused.items():
+        with pytest.raises(ExportError, match=re.escape(says)):
             export_verl(ws.catalog, ref, tmp_path / "a", viewport="mobile")
     assert not (tmp_path / "a").exists()
     (tmp_path / "b").mkdir()
