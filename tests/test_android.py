@@ -150,7 +150,21 @@ def test_a_broken_dump_is_an_environment_fault():
         parse_hierarchy("<hierarchy><node")
 
 
-def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, monkeypatch):
+WIFI_AFTER_A_TAP = """#!/bin/sh
+# The recorded device, except that Wi-Fi is off until something on the screen is tapped.
+case "$*" in
+  *" shell input tap "*) touch "$0.wifi" ;;
+  *" shell settings get global wifi_on")
+    [ -e "$0.wifi" ] || {{ echo "$*" >> "$FAKE_ADB_LOG"; echo 0; exit 0; }} ;;
+esac
+exec "{adb}" "$@"
+"""
+
+
+@pytest.mark.parametrize(("value", "verdict"), [("1", True), ("0", False)])
+def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, monkeypatch, value, verdict):
+    """The verdict reads the device after the episode's actions: Wi-Fi comes on with the agent's tap, so "Turn on
+    Wi-Fi" holds and a task expecting it off does not."""
     from trajforge.critics.stage import checker_for
     from trajforge.data.blobs import BlobStore
     from trajforge.envs.android import android_queries
@@ -158,11 +172,14 @@ def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, mo
     from trajforge.schemas.config import AndroidTask, RolloutSettings
 
     monkeypatch.setenv("FAKE_ADB_LOG", str(tmp_path / "adb.log"))
+    adb = tmp_path / "adb"
+    adb.write_text(WIFI_AFTER_A_TAP.format(adb=FIXTURES / "adb"))
+    adb.chmod(0o755)
     task = AndroidTask(instruction="Turn on Wi-Fi", start="com.android.settings/.Settings", probe="wifi_on",
-                       value="1", max_steps=2)
+                       value=value, max_steps=2)
     (query,) = android_queries([task], run_id="r")
     settings = RolloutSettings(policy="random", android={
-        "adb": str(FIXTURES / "adb"), "devices": [{"serial": "emulator-5554", "adb_server_port": 5039}],
+        "adb": str(adb), "devices": [{"serial": "emulator-5554", "adb_server_port": 5039}],
         "probes": {"wifi_on": "settings get global wifi_on"},
     })
     out = rollout([query.model_dump()], run_id="r", settings=settings, blobs=BlobStore(tmp_path / "blobs"))
@@ -172,11 +189,12 @@ def test_android_tasks_run_through_the_rollout_stage_and_are_judged(tmp_path, mo
     assert all(s.action_type == "click" and s.url_before.startswith("com.android.settings/") for s in out.rows["steps"])
     state = json.loads(episode.final_state_json)
     assert checker_for("android")(query.checker, json.loads(query.checker_params_json), state) == (
-        True, "wifi_on = '1' (expected '1')")
+        verdict, f"wifi_on = '1' (expected '{value}')")
     log = commands(tmp_path / "adb.log")
     assert log[:3] == ["shell am force-stop com.android.settings", "shell pm clear com.android.settings",
                        "shell am start -W -n com.android.settings/.Settings"]
-    assert any(line.startswith("shell input tap ") for line in log)
+    taps = [i for i, line in enumerate(log) if line.startswith("shell input tap ")]
+    assert taps and log.index("shell settings get global wifi_on", taps[0]) > taps[0]
 
 
 def test_android_queries_need_a_device_or_are_dropped_with_the_reason(tmp_path):

@@ -47,18 +47,35 @@ def test_contours_find_each_widget():
 
 SAM_SCRIPT = textwrap.dedent("""
     import importlib.util, io, sys
+    import segment_anything, torch
     from PIL import Image, ImageDraw
     spec = importlib.util.spec_from_file_location("regions", {path!r})  # the module needs nothing of trajforge
     regions_module = sys.modules["regions"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
     spec.loader.exec_module(regions_module)
     load_sam, sam_regions = regions_module.load_sam, regions_module.sam_regions
+    masks = []
+
+    class Unfiltered(segment_anything.SamAutomaticMaskGenerator):
+        # A random model's masks all fail the default quality thresholds (0 masks, measured), which would leave
+        # nothing to convert: without them the generator returns masks, recorded to check against the regions.
+        def __init__(self, model, **kwargs):
+            super().__init__(model, pred_iou_thresh=float("-inf"), stability_score_thresh=float("-inf"), **kwargs)
+
+        def generate(self, image):
+            masks.extend(super().generate(image))
+            return masks
+
+    segment_anything.SamAutomaticMaskGenerator = Unfiltered  # sam_regions imports it when called
     image = Image.new("RGB", (128, 96), "white")
     ImageDraw.Draw(image).rectangle((10, 10, 70, 50), fill=(40, 90, 200))
     out = io.BytesIO(); image.save(out, format="PNG")
+    torch.manual_seed(0)
     sam = load_sam(None, "vit_b")  # randomly initialised: the code path runs, the masks mean nothing
     regions = sam_regions(out.getvalue(), sam, points_per_side=4)  # 16 points: the code path, quickly
-    assert all(r.source == "sam" for r in regions)
-    print("sam regions", len(regions))
+    assert masks, "the mask generator gave no masks"
+    scored = {{tuple(float(v) for v in m["bbox"]): round(float(m["predicted_iou"]), 3) for m in masks}}
+    assert all(r.source == "sam" and scored.get(r.box) == r.score for r in regions), (regions, scored)
+    print("sam masks", len(masks), "regions", len(regions))
 """)
 
 
@@ -87,7 +104,7 @@ def test_segment_anything_path_runs_on_a_random_vit_b():
             require(False, f"segment-anything is not importable here ({exc}); set SAM_TEST_PYTHON to an "
                     "interpreter that has it (.ci/run builds one)")
         python = sys.executable
-    proc = subprocess.run([python, "-c", SAM_SCRIPT.format(path=str(ROOT / "synth" / "regions.py"))], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([python, "-c", SAM_SCRIPT.format(path=str(ROOT / "synth" / "regions.py"))],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "sam regions" in proc.stdout
+    assert "sam masks" in proc.stdout
