@@ -3,7 +3,6 @@ files of the tagged snapshot, after a real nightly run (replay policy: accepted 
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import re
@@ -16,12 +15,11 @@ import pytest
 from PIL import Image
 from test_pipeline import workspace
 
+from trajforge.data.catalog import Lineage, commit_key
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import Settings
-from trajforge.schemas.records import Episode, Step
-from trajforge.schemas.stage import Inputs
+from trajforge.schemas.records import Episode, Query, Step, StepCritique, Verdict
 from trajforge.synth import export
-from trajforge.synth.export import ExportUnit, StepLabel
 from trajforge.tasks.runner import run_inline
 
 pytestmark = pytest.mark.browser
@@ -81,34 +79,54 @@ def test_messages_are_qwen_chat_with_the_action_as_a_function_call_and_images_de
         assert answer.startswith(f"<thinking>{step['thought']}</thinking>")
 
 
-def _judged_unit(ws, labels: list[str]) -> ExportUnit:
-    """An accepted episode of two clicks, the first with the Notetaker's answer, its steps labelled `labels`."""
+def _made(stage: str, run_id: str, table: str, **inputs: int) -> Lineage:
+    """The lineage of a commit the stage run `run_id` would have made: its key is the one readers look it up by."""
+    return Lineage(stage=stage, run_id=run_id, commit_key=commit_key(run_id, stage, table), inputs=inputs,
+                   config_hash="x", code_version="x")
+
+
+def _rolled_out(ws: Workspace) -> int:
+    """A rollout run's accepted-to-be episode of two clicks, the first with the Notetaker's answer: the episodes
+    version."""
     buffer = io.BytesIO()
     Image.new("RGB", (390, 844), "white").save(buffer, format="PNG")
     png = ws.blobs.put(buffer.getvalue()).sha256
     when = datetime(2026, 12, 5, tzinfo=UTC)
-    episode = Episode(run_id="made", episode_id="e", query_id="q", app="notes", instruction="task", policy="replay",
-                      model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=2,
-                      final_url="u", final_state_json="{}", started_at=when, finished_at=when)
+    queries = ws.catalog.commit_rows("queries", [Query(
+        run_id="made", query_id="q", app="notes", source="page_graph", instruction="task", path=["notes"],
+        slots_json="{}", checker="state_has", checker_params_json="{}", max_steps=5, generator="test",
+        created_at=when)], _made("query_gen", "made", "queries"))
     notes = {"notetaker": {"inputs": {"notes": []}, "output": {"notes": ["x"]}, "raw_output": '{"notes": ["x"]}'}}
-    steps = [Step(run_id="made", step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=png,
-                  screenshot_after=png, width=390, height=844, url_before="u", url_after="u", title_before="t",
-                  title_after="t", ax_tree_before="", action_type="click", action_json=json.dumps({"x": 5, "y": 9}),
-                  action_valid=True, thought="", raw_output="", duration_ms=0,
-                  roles_json=json.dumps(notes) if i == 0 else None) for i in range(2)]
-    return ExportUnit(episode, steps, True, {s.step_id: StepLabel(label, "s") for s, label in zip(steps, labels,
-                                                                                                 strict=True)})
+    ws.catalog.commit_rows("steps", [Step(
+        run_id="rolled", step_id=f"e:{i}", episode_id="e", step_index=i, screenshot_before=png, screenshot_after=png,
+        width=390, height=844, url_before="u", url_after="u", title_before="t", title_after="t", ax_tree_before="",
+        action_type="click", action_json=json.dumps({"x": 5, "y": 9}), action_valid=True, thought="", raw_output="",
+        duration_ms=0, roles_json=json.dumps(notes) if i == 0 else None) for i in range(2)],
+        _made("rollout", "rolled", "steps", queries=queries))
+    return ws.catalog.commit_rows("episodes", [Episode(
+        run_id="rolled", episode_id="e", query_id="q", app="notes", instruction="task", policy="replay",
+        model_id="none", prompt_version="none", viewport="mobile", status="terminated", num_steps=2, final_url="u",
+        final_state_json="{}", started_at=when, finished_at=when)], _made("rollout", "rolled", "episodes",
+                                                                           queries=queries))
 
 
 def test_an_accepted_episode_judged_again_with_a_step_now_harmful_loses_that_steps_row(tmp_path):
     """The critics judge an accepted episode again and a step once GOOD is now HARMFUL, the episode still accepted:
-    the export does it again (it is not "already done") and its rows are replaced, that step's row gone; the
-    lineage names the Notetaker's prompt its rows were rendered from, beside the policy's."""
+    the export of that verdicts version does it again (it is not "already done"), reading the critiques its critics
+    run wrote, and its rows are replaced, that step's row gone; the lineage names the Notetaker's prompt its rows
+    were rendered from, beside the policy's. Judged the same once more, nothing is redone."""
     ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    episodes = _rolled_out(ws)
     for n, labels in enumerate((["GOOD", "GOOD"], ["GOOD", "HARMFUL"], ["GOOD", "HARMFUL"])):
-        stage = dataclasses.replace(export.STAGE, load=lambda ws, snapshot, labels=labels: Inputs(
-            units=[_judged_unit(ws, labels)]))
-        snapshots = run_inline(stage, ws, ws.ledger.open_run("test", f"judged {n}").run_id)
+        critics = f"critics{n}"
+        ws.catalog.commit_rows("step_critiques", [StepCritique(
+            run_id=critics, critique_id=f"e:{i}:{n}", step_id=f"e:{i}", episode_id="e", critic="c", model_id="m",
+            prompt_version="1", analysis="", summary="s", label=label, raw_output="", flags=[])
+            for i, label in enumerate(labels)], _made("critics", critics, "step_critiques", episodes=episodes))
+        verdicts = ws.catalog.commit_rows("verdicts", [Verdict(
+            run_id=critics, verdict_id=f"e:v{n}", episode_id="e", query_id="q", success=True, consensus="c",
+            channels_json="{}", reason="", config_hash="x")], _made("critics", critics, "verdicts", episodes=episodes))
+        snapshots = run_inline(export.STAGE, ws, ws.ledger.open_run("test", f"judged {n}").run_id, verdicts)
         rows = ws.catalog.load("train_e2e")
         lineage = ws.catalog.lineage("train_e2e", snapshots["train_e2e"])
         if n == 0:

@@ -35,7 +35,7 @@ from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.rollout.gui_owl import to_call
 from trajforge.schemas.config import Settings
 from trajforge.schemas.records import Query, Step
-from trajforge.schemas.stage import config_hash
+from trajforge.schemas.stage import StageOutput, config_hash
 from trajforge.synth import grounding, planning, reasoning, semantics
 from trajforge.synth.chat import policy_messages
 from trajforge.tasks.runner import run_inline
@@ -78,6 +78,9 @@ class ModelServer(ScriptedServer):
             start = re.search(r"^Start page: (\w+)$", user, re.M).group(1)
             names, to = re.search(rf"^- {start}: (.+) -> (\w+)$", user, re.M).groups()
             name = names.split(", ")[0]
+            if "choice" in self.broken:  # a task naming the way's first element, a walk using its last
+                return json.dumps({"steps": [{"page": start, "element": names.split(", ")[-1]},
+                                             {"page": to, "element": None}], "task": f"Open the {to} {name}"})
             return json.dumps({"steps": [{"page": start, "element": name},
                                          {"page": "no_such_page" if "plan" in self.broken else to, "element": None}],
                                "task": f"Use {name}"})
@@ -91,6 +94,8 @@ class ModelServer(ScriptedServer):
                                                                                    "button": "Home"}
             return f"To go on I do {json.dumps(action)} next."
         if "Read the reasoning" in system:  # sees the reasoning only: the action it names, as a call
+            if "act" in self.broken:
+                return "not a call"
             action = json.loads(re.search(r"(\{.*\})", user).group(1))
             function = re.search(r'"name": "(\w+)"', system).group(1)
             return json.dumps(to_call(action, function))
@@ -99,6 +104,11 @@ class ModelServer(ScriptedServer):
             return f"The plan says {plan} next, so I act on it."
         if "You are told the right next action" in system:
             return "The task needs this element, and it is on the screen."
+        if "You are a GUI agent" in system:  # the end-to-end policy, which declares the task done at once
+            call = {"name": re.search(r'"name": "(\w+)"', system).group(1),
+                    "arguments": {"action": "terminate", "status": "success"}}
+            return f"<thinking>Done.</thinking>\n<conclusion>Stop.</conclusion>\n<tool_call>\n{json.dumps(call)}\n" \
+                "</tool_call>"
         raise AssertionError(f"unexpected prompt: {system[:80]}")
 
     async def _completions(self, request: Request) -> Response:
@@ -571,7 +581,7 @@ def test_a_plans_steps_are_the_graphs_actions_and_its_task_must_name_its_walk():
         "its task was cut off at its length limit"
 
 
-def test_a_plans_task_naming_a_choice_its_walk_does_not_make_is_dropped(recorded, model, monkeypatch):
+def test_a_plans_task_naming_a_choice_its_walk_does_not_make_is_dropped(recorded, model):
     """A task naming a slot's value (a dish, a size) the walk does not pick contradicts its own steps: dropped with
     the value and the walk's pick. A value the walk picks, or one of a slot a step leaves open ("click radio the
     size"), agrees; so do the words of another value inside one the task names ("ideas" of a note's title)."""
@@ -593,18 +603,18 @@ def test_a_plans_task_naming_a_choice_its_walk_does_not_make_is_dropped(recorded
                                    notes) is None
 
     root, _, _ = recorded
-    ws = workspace(root, model.url, manual_trials=0)
+    ws = workspace(root, model.url, cache=False, manual_trials=0)  # the cache holds the plan of other tests
     _, episodes = ws.catalog.resolve("episodes@latest")
     units = planning.load_apps(ws, episodes).units
-    walk = [("notes", "Grocery list"), ("note", None)]
-    answer = plan("Open the note Birthday gift ideas", *walk)  # a page of its walk: no other problem
-    monkeypatch.setattr(planning._Planner, "ask", lambda self, template, *a, **k: (
-        answer if template == planning.PLAN else planning.ManualAnswer(manual=["Open it"]), "scripted", None))
-    out = planning.plan_app(units, ws, ws.ledger.open_run("test", "plan-choice").run_id, "")
+    model.broken = {"choice"}  # the task names the first note, its walk opens the last
+    try:
+        out = planning.plan_app(units, ws, ws.ledger.open_run("test", "plan-choice").run_id, "")
+    finally:
+        model.broken = set()
     assert out.rows["plans"] == []
     assert out.dropped["plan: its task names a choice its walk does not make"] == 1
     assert out.stats["plan dropped (notes): task 'Open the note Birthday gift ideas': its task names note "
-                     "'Birthday gift ideas', where its walk picks 'Grocery list'"] == 1
+                     "'Birthday gift ideas', where its walk picks 'Meeting notes 3 Dec'"] == 1
 
 
 def test_a_manuals_steps_say_what_was_typed_which_key_and_which_way():
@@ -819,21 +829,6 @@ def test_a_rejected_reasonings_count_says_why():
     assert reasoning._rejection("drop point 30 px from the trusted point") == "drop differs"
 
 
-class _Script:
-    """A shard's model calls answered from a script (prompt name -> answer), standing in for `reasoning._Reasoner`;
-    `asked` lists the prompts asked."""
-
-    def __init__(self, ws: Workspace, run_id: str, answers: dict[str, Any]) -> None:
-        self.run_id, self.cfg, self.answers, self.asked = run_id, ws.settings.synth, answers, []
-
-    def ask(self, name: str, **_: Any) -> Any:
-        self.asked.append(name)
-        return self.answers[name]
-
-    def version(self, name: str) -> str:
-        return f"{name}@1"
-
-
 def _cart_step(ws: Workspace, **more: Any) -> Step:
     """A mobile step that taps the Cart link at (5, 9), on a real (white) screenshot."""
     buffer = io.BytesIO()
@@ -846,58 +841,55 @@ def _cart_step(ws: Workspace, **more: Any) -> Step:
                 duration_ms=0, **more)
 
 
-def _said(name: str, text: str, parsed: Any = None, error: str | None = None) -> Any:
-    from trajforge.synth.ask import Answer
+def _cart_workspace(root: Path, model: ModelServer, **synth: Any) -> Workspace:
+    """A workspace asking `model` for reasonings in the simple style, which names the demonstrated action: tapping
+    the Cart link of `_cart_step` for "Open the cart"."""
+    model.truth = {("Open the cart", 390, 0): {"type": "click", "x": 5, "y": 9}}
+    return notes_workspace(root, model.url, cache=False, vision=True, synth={
+        "writer": "model", "hint_styles": ["simple"], "reasoning_tries": 1} | synth)
 
-    return Answer(text, parsed, error, "m", f"{name}@1")
 
-
-def test_a_reasoning_row_holds_the_trusted_action_as_the_prediction_and_an_unusable_one_is_not_compared(tmp_path):
+def test_a_reasoning_row_holds_the_trusted_action_as_the_prediction_and_an_unusable_one_is_not_compared(
+        tmp_path, model):
     """The trusted action is stored with its `type`, as the predicted one (and PAL-UI's and CES's rows) are; a
     prediction that is no action was compared with nothing: `matched` None, as the schema says."""
-    from trajforge.rollout.gui_owl import ToolCall
     from trajforge.synth.trusted import TrustedEpisode
 
-    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"},
-                                 synth={"writer": "model", "hint_styles": ["simple"], "reasoning_tries": 1}))
+    ws = _cart_workspace(tmp_path, model)
     step = _cart_step(ws)
     unit = TrustedEpisode("e", "q", "Open the cart", "mobile", "reference", [step])
-    reasoning_said = _said("reasoning_simple", "I open the Cart link.")
-    call = ToolCall.model_validate(to_call({"type": "click", "x": 5, "y": 9}, "mobile_use"))
-    script = _Script(ws, "r", {"reasoning_simple": reasoning_said, "reasoning_act": _said("reasoning_act", "", call)})
-    [matched] = reasoning._sample(script, unit, step, [])  # type: ignore[arg-type]
+    [matched] = reasoning._sample(reasoning._Reasoner(ws, StageOutput(), "r"), unit, step, [])
     assert matched.kept and matched.matched is True
     assert json.loads(matched.trusted_action_json) == json.loads(matched.predicted_action_json) == {
         "type": "click", "x": 5, "y": 9}
 
-    script.answers |= {"reasoning_act": _said("reasoning_act", "not a call", error="not one JSON object"),
-                       "reasoning_hinted": _said("reasoning_hinted", "The Cart link is on the screen.")}
-    unusable, hinted = reasoning._sample(script, unit, step, [])  # type: ignore[arg-type]
-    assert unusable.match_reason == "prediction unusable: not one JSON object" and not unusable.kept
+    model.broken = {"act"}  # the call predicted from the reasoning does not parse
+    try:
+        unusable, hinted = reasoning._sample(reasoning._Reasoner(ws, StageOutput(), "r"), unit, step, [])
+    finally:
+        model.broken = set()
+    assert unusable.match_reason.startswith("prediction unusable: not one JSON object") and not unusable.kept
+    assert unusable.predict_raw_output == "not a call"
     assert unusable.matched is None and unusable.predicted_action_json is None
+    assert hinted.hint_style == "hinted" and hinted.kept
     assert json.loads(unusable.trusted_action_json) == json.loads(hinted.trusted_action_json) == {
         "type": "click", "x": 5, "y": 9}
 
 
-def test_a_step_whose_roles_left_no_output_is_sampled_not_distilled_from_the_action_alone(tmp_path, monkeypatch):
+def test_a_step_whose_roles_left_no_output_is_sampled_not_distilled_from_the_action_alone(tmp_path, model):
     """Roles recorded without an output give the distillation nothing but the action: such a reasoning would be
     the answer's, unflagged. The step is sampled as any other, and kept when its prediction matches."""
-    from trajforge.rollout.gui_owl import ToolCall
     from trajforge.synth.trusted import TrustedEpisode
 
-    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, synth={
-        "writer": "model", "hint_styles": ["simple"], "reasoning_tries": 1, "reasoning_steps_per_shard": 1}))
+    ws = _cart_workspace(tmp_path, model, reasoning_steps_per_shard=1)
     step = _cart_step(ws, roles_json=json.dumps({"manager": {"output": None}, "worker": {"output": None}}))
     unit = TrustedEpisode("e", "q", "Open the cart", "mobile", "reference", [step])
-    call = ToolCall.model_validate(to_call({"type": "click", "x": 5, "y": 9}, "mobile_use"))
-    script = _Script(ws, "r", {"reasoning_simple": _said("reasoning_simple", "I open the Cart link."),
-                               "reasoning_act": _said("reasoning_act", "", call),
-                               "reasoning_distill": _said("reasoning_distill", "I tap the Cart link.")})
-    monkeypatch.setattr(reasoning, "_Reasoner", lambda ws, out, run_id: script)
+    model.requests.clear()
     out = reasoning.reason([unit], ws, ws.ledger.open_run("test", "no roles").run_id, "")
     [sample] = out.rows["reasoning_samples"]
     assert sample.hint_style == "simple" and sample.kept and sample.matched and not sample.hinted_with_answer
-    assert "reasoning_distill" not in script.asked
+    asked = [message_text(r["body"]["messages"][0]) for r in model.requests]
+    assert asked and not any("A team of agents decided" in system for system in asked)
     [row] = out.rows["train_reasoning"]
     assert row.hint_style == "simple" and not row.hinted_with_answer
 
@@ -980,31 +972,38 @@ def test_a_reworded_planning_prompt_is_new_work_and_a_new_code_version_is_not(re
             code_version.cache_clear()
 
 
-def test_a_manuals_trial_rolls_out_with_the_nights_policy_model_and_names_it(recorded, model, monkeypatch):
+def test_a_manuals_trial_rolls_out_with_the_nights_policy_model_and_names_it(recorded, model):
     """The trial that gives `success_with` runs as the night's rollout does, with the loop iteration's model
     (`loop.models`) that gave `success_before`; the lineage names its policy, model and prompt versions."""
     root, _, _ = recorded
     synth = {"manual_trials": 1, "plans_per_app": 0}
-    ws = notes_workspace(root, model.url, synth=synth, loop={"models": {0: "m"}})
-    _, episodes = ws.catalog.resolve("episodes@latest")
+    _, episodes = workspace(root, model.url).catalog.resolve("episodes@latest")
     def config(**loop: Any) -> str:
         return planning.load_apps(notes_workspace(root, model.url, synth=synth, loop=loop), episodes).units[0].config
 
     assert config(models={0: "/srv/iteration-1"}) != config()  # the loop's model decides the trials
     assert config(max_guided=5, train_steps=7) == config()  # and nothing else of the loop: not new work
-    asked: list[str | None] = []
-
-    def trial(queries: list[Query], *, settings: Any, **_: Any) -> Any:
-        asked.append(settings.model)
-        return planning.StageOutput(rows={"episodes": [], "steps": []}, prompts={"gui_owl_e2e": "3"},
-                                    models={"policy": "gui_owl", "policy_model": "trained-iteration-0"})
-
-    monkeypatch.setattr(planning, "rollout", trial)
-    units = [dataclasses.replace(u, written=frozenset()) for u in planning.load_apps(ws, episodes).units]
-    out = planning.plan_app(units, ws, ws.ledger.open_run("test", "manual-trial-model").run_id, "")
-    assert asked and set(asked) == {"m"}
-    assert out.models["policy_model"] == "trained-iteration-0" and out.prompts["gui_owl_e2e"] == "3"
-    assert out.models[planning.MANUAL] and out.prompts[planning.MANUAL]
+    # The night's policy is the end-to-end model, and iteration 0 is served by `trained`, not the default `m`.
+    endpoints = {name: {"base_url": model.url, "model": served, "max_retries": 0, "timeout_s": 10, "vision": True}
+                 for name, served in (("m", "scripted"), ("trained", "trained-iteration-0"))}
+    ws = Workspace.open(Settings(
+        warehouse={"path": root / "wh"}, synth=synth, loop={"models": {0: "trained"}},
+        query_gen={"apps": ["notes"], "num_queries": 2, "atomic_per_app": 1, "deep_search_apps": []},
+        rollout={"policy": "gui_owl_e2e", "contexts": 1}, llm={"endpoints": endpoints, "default": "m", "reask": 0}))
+    model.requests.clear()
+    out = run_inline(planning.STAGE, ws, ws.ledger.open_run("test", "manual-trial-model").run_id, episodes)
+    added = ws.catalog.rows_added("manuals", out["manuals"])[0]
+    [manual] = added.filter(pl.col("trial_queries").list.len() > 0).to_dicts()
+    assert manual["trial_episodes"] and manual["success_with"] is not None
+    turns = [r["body"] for r in model.requests if "You are a GUI agent" in message_text(r["body"]["messages"][0])]
+    assert len(turns) == len(manual["trial_episodes"])  # one step each: the scripted policy ends at once
+    assert {b["model"] for b in turns} == {"trained-iteration-0"}
+    first_line = manual["text"].splitlines()[0]
+    assert all(f"Guidance for this task: {first_line}" in message_text(b["messages"][-1]) for b in turns)
+    lineage = ws.catalog.lineage("manuals", out["manuals"])
+    assert lineage.models["policy"] == "gui_owl_e2e" and lineage.models["policy_model"] == "trained-iteration-0"
+    assert lineage.prompts["gui_owl_e2e"] == "1"
+    assert lineage.models[planning.MANUAL] == "scripted" and lineage.prompts[planning.MANUAL]
 
 
 def test_grounding_a_screen_again_with_another_configuration_replaces_its_rows(recorded, grounded, model):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import polars as pl
 import pytest
@@ -16,7 +15,7 @@ from conftest import REPLAY_NIGHT_CONFIG, require
 from test_handoff import commit_reasoning
 from test_pipeline import by_policy, cli, workspace
 
-from trajforge.data.catalog import Catalog, Lineage, commit_key
+from trajforge.data.catalog import Lineage, commit_key
 from trajforge.flows.pipeline import run_identity
 from trajforge.flows.stages import stages
 from trajforge.llm.local import missing_models, smollm2_folder
@@ -181,19 +180,24 @@ def test_a_train_stage_that_died_after_its_commit_finishes_on_rerun_without_trai
     assert ws.catalog.load("checkpoints").height == 2  # the night's, and this stage's once
 
 
-def test_only_a_llamafactory_export_is_registered_in_the_data_folders_dataset_info(tmp_path, monkeypatch):
+def test_only_a_llamafactory_export_is_registered_in_the_data_folders_dataset_info(tmp_path):
     """`datasets`' save_to_disk writes a dataset_info.json of its own in each `hf` table folder: read as LLaMA-Factory's
-    registry, its description fields were merged into `{data}/dataset_info.json`, a file no trainer of `hf` wants."""
-    monkeypatch.setattr("trajforge.train.stage.text_samples", lambda *args, **kwargs: [])  # no OCR: not tested here
-    catalog = Catalog(tmp_path / "warehouse")
+    registry, its description fields were merged into `{data}/dataset_info.json`, a file no trainer of `hf` wants.
+    Either way `text.jsonl` holds each answer as the text-only model reads its prompt."""
+    def opened(**loop: str) -> Workspace:
+        return Workspace.open(Settings(warehouse={"path": tmp_path / "warehouse"}, loop=loop))
+
+    catalog = opened().catalog
     commit_reasoning(catalog, "r", ["cot"])
     unit = TrainUnit(versions={"train_reasoning": catalog.version("train_reasoning", None)}, base="b",
                      base_model_id="b", root_model_id="b")
     for fmt in ("hf", "llamafactory"):
-        ws = SimpleNamespace(catalog=catalog, settings=Settings(loop={"train_format": fmt}),
-                             gateway=SimpleNamespace(ocr=None))
-        write_data(ws, unit, tmp_path / fmt)
+        assert write_data(opened(train_format=fmt), unit, tmp_path / fmt) == 1
         assert (tmp_path / fmt / "train_reasoning").is_dir()
+        [sample] = [json.loads(line) for line in (tmp_path / fmt / "text.jsonl").read_text().splitlines()]
+        assert sample["completion"] == [{"role": "assistant", "content": "<thinking>Tap Cart.</thinking>"}]
+        assert sample["table"] == "train_reasoning" and sample["sample_id"] == "cot"
+        assert "Open the cart." in sample["prompt"][0]["content"]
     assert not (tmp_path / "hf" / "dataset_info.json").exists()
     registered = json.loads((tmp_path / "llamafactory" / "dataset_info.json").read_text())
     assert list(registered) == ["train_reasoning"]
