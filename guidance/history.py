@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import polars as pl
+
 from trajforge.critics.stage import EpisodeUnit, load_episodes
 from trajforge.data.catalog import Lineage
 from trajforge.llm.workspace import Workspace
@@ -61,6 +63,14 @@ def hardness(attempts: list[tuple[datetime, bool]], *, window: int, below: float
         return Hardness(tried, successes, rate, True,
                         f"success rate {rate:.2f} over the last {len(recent)} attempt(s) is below {below}")
     return Hardness(tried, successes, rate, False, f"success rate {rate:.2f} over the last {len(recent)}")
+
+
+def attempts_by_query(history: pl.DataFrame) -> dict[str, list[tuple[datetime, bool]]]:
+    """query id -> its (judged_at, success) attempts in `query_history` rows: what `hardness` judges."""
+    attempts: dict[str, list[tuple[datetime, bool]]] = {}
+    for query_id, judged_at, success in history.select("query_id", "judged_at", "success").iter_rows():
+        attempts.setdefault(query_id, []).append((judged_at, success))
+    return attempts
 
 
 def attempt_row(episode: Episode, query: Query, success: bool, *, run_id: str, iteration: int,

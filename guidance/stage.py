@@ -23,7 +23,7 @@ from trajforge.critics.stage import checker_for
 from trajforge.envs import secrets
 from trajforge.envs.axtree import parse, render
 from trajforge.guidance.distill import Describer, guidance_row
-from trajforge.guidance.history import STEP_FIELDS, buffer_entry, hardness
+from trajforge.guidance.history import STEP_FIELDS, attempts_by_query, buffer_entry, hardness
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.ids import digest, short_id
@@ -197,9 +197,7 @@ def load_hard_queries(ws: Workspace, snapshot: int | None) -> Inputs[HardQuery]:
         elsewhere=pl.col("viewport").is_not_null() & (pl.col("viewport") != ws.settings.rollout.viewport))
     demos = load_demonstrations(cfg.demonstrations) if cfg.demonstrations else []
     known = set(buffer["entry_id"])
-    attempts: dict[str, list[tuple[Any, bool]]] = {}
-    for row in history.select("query_id", "judged_at", "success").iter_rows():
-        attempts.setdefault(row[0], []).append((row[1], row[2]))
+    attempts = attempts_by_query(history)
     hard = []
     stats: Counter[str] = Counter()  # why a query is not guided: a first night has no attempt of any
     for q in queries.to_dicts():

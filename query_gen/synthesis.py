@@ -70,11 +70,11 @@ def missing_slot(instruction: str, slots: dict[str, str]) -> str | None:
     return None
 
 
-TOGGLE_FLIPS = {
-    "on": r"(?<!\w)(disabl|deactivat)\w*",
-    "off": r"(?<!\w)(enabl|activat)\w*",
+TOGGLES = {
+    "on": ("off", r"(?<!\w)(disabl|deactivat)\w*"),
+    "off": ("on", r"(?<!\w)(enabl|activat)\w*"),
 }
-"""Verbs that ask for the opposite of a toggle slot's value ("on", "off")."""
+"""A toggle slot's value -> its opposite, and the verbs that ask for that opposite."""
 
 
 def flipped_toggle(instruction: str, slots: dict[str, str]) -> str | None:
@@ -86,12 +86,11 @@ def flipped_toggle(instruction: str, slots: dict[str, str]) -> str | None:
     FreshCart" asks for off), and the verbs that name the other way (enable, disable).
     """
     for name, value in slots.items():
-        other = {"on": "off", "off": "on"}.get(value.casefold())
-        if other is None:
+        if value.casefold() not in TOGGLES:
             continue
+        other, verbs = TOGGLES[value.casefold()]
         toggled = rf"(?<!\w)(turn|switch|toggle|set)\s+(?:(?!{value}\b)\w+\s+){{0,3}}?{other}(?!\w)"
-        if re.search(toggled, instruction, re.IGNORECASE) or re.search(TOGGLE_FLIPS[value.casefold()], instruction,
-                                                                        re.IGNORECASE):
+        if re.search(toggled, instruction, re.IGNORECASE) or re.search(verbs, instruction, re.IGNORECASE):
             return name
     return None
 

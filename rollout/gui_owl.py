@@ -210,6 +210,15 @@ _THINKING = re.compile(r"<thinking>(.*?)</thinking>", re.DOTALL)
 _CONCLUSION = re.compile(r"<conclusion>(.*?)</conclusion>", re.DOTALL)
 
 
+def click_targets_for(gateway: Gateway, model: str | None, click_targets: ClickTargets) -> ClickTargets:
+    """How a constrained click of `model` is held to the screen: `click_targets` ("auto": "points" for a model that
+    sees the screen, "names" for one that reads it as text). Anything that asks the policy's prompt outside a
+    rollout (agentic-Q's candidates) holds its clicks the same way."""
+    if click_targets == "auto":
+        return "points" if gateway.sees_images(model) else "names"
+    return click_targets
+
+
 class GuiOwlPolicy:
     """The end-to-end policy over the model gateway; any model the gateway knows can drive it."""
 
@@ -223,9 +232,7 @@ class GuiOwlPolicy:
         screen ("names": to a named element's centre, "points": to any pixel, "auto": names for a model that
         reads the screen as text, points for one that sees it)."""
         self.gateway = gateway
-        if click_targets == "auto":
-            click_targets = "points" if gateway.sees_images(model) else "names"
-        self.click_targets = click_targets
+        self.click_targets = click_targets_for(gateway, model, click_targets)
         self.draw = draw
         self.model = model
         self.space = actions.space_for(viewport)

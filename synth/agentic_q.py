@@ -47,7 +47,7 @@ from trajforge.envs.browser import Target, screen_targets
 from trajforge.llm import ImagePart
 from trajforge.llm.prompts import PROMPTS_DIR
 from trajforge.llm.workspace import Workspace
-from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, GuiOwlPolicy, ToolCall, call_schema, tool_spec
+from trajforge.rollout.gui_owl import FUNCTIONS, PROMPT, ToolCall, call_schema, click_targets_for, tool_spec
 from trajforge.schemas.config import AgenticQSettings
 from trajforge.schemas.ids import digest, short_id
 from trajforge.schemas.records import QGroup, QValueSample, Step, steps_by_episode
@@ -170,12 +170,10 @@ def _group(asker: Asker, ws: Workspace, unit: QueryAttempts, key: str, step: Ste
     A click is held to the screen as the rollout's policy holds it: with free pixels a text-only model invents
     points that miss every element, and its groups drop as concentrated scores."""
     cfg = ws.settings.agentic_q
-    # The policy resolves `rollout.click_targets` ("auto": names for a model that reads the screen as text).
-    policy = GuiOwlPolicy(ws.gateway, viewport=unit.viewport, model=ws.settings.rollout.model,
-                          click_targets=ws.settings.rollout.click_targets)
-    space, function = policy.space, FUNCTIONS[policy.space]
-    schema = call_schema(space, step.width, step.height,
-                         targets=_targets(step) if policy.click_targets == "names" else None)
+    space = actions.space_for(unit.viewport)
+    function = FUNCTIONS[space]
+    held = click_targets_for(ws.gateway, ws.settings.rollout.model, ws.settings.rollout.click_targets)
+    schema = call_schema(space, step.width, step.height, targets=_targets(step) if held == "names" else None)
     candidates, scores, seen_actions = [], [], []
     for k in range(cfg.candidates):
         answer = asker.ask(PROMPT, seed=k, temperature=cfg.temperature, schema=ToolCall, json_schema=schema,

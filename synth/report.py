@@ -23,7 +23,7 @@ from trajforge.critics.evaluate import load_judged, score
 from trajforge.critics.stage import checker_for
 from trajforge.data.catalog import CatalogError, Lineage, SnapshotInfo
 from trajforge.data.notebook import TRAINING_TABLES, success_per_app, yield_per_night
-from trajforge.guidance.history import hardness
+from trajforge.guidance.history import attempts_by_query, hardness
 from trajforge.llm.cache import responses
 from trajforge.llm.workspace import Workspace
 from trajforge.rollout.stage import NOT_ROLLED_AGAIN, policy_summary
@@ -413,9 +413,7 @@ def hard_when_begun(ws: Workspace, run_id: str, before: pl.DataFrame) -> list[st
     if lineage is None or "queries" not in lineage.inputs:
         return []
     queries, _ = ws.catalog.rows_added("queries", lineage.inputs["queries"])
-    attempts: dict[str, list[tuple[datetime, bool]]] = {}
-    for query_id, judged_at, success in before.select("query_id", "judged_at", "success").iter_rows():
-        attempts.setdefault(query_id, []).append((judged_at, success))
+    attempts = attempts_by_query(before)
     loop = ws.settings.loop
     return sorted(q for q in set(queries["query_id"])
                   if hardness(attempts.get(q, []), window=loop.window, below=loop.hard_below).hard)
