@@ -37,6 +37,7 @@ import numpy as np
 import sqlalchemy as sa
 from PIL import Image
 
+from trajforge.llm import ocr_diff
 from trajforge.llm.calls import ObservationMode
 from trajforge.llm.local import INSTALL
 from trajforge.llm.messages import ImagePart, Message, TextPart
@@ -51,11 +52,14 @@ Box = tuple[float, float, float, float]
 
 _meta = sa.MetaData()
 
+_ENGINE_CHARS = 80
+"""The length of `trajforge_ocr.engine`: an engine id longer than it is kept shortened (`_engine_key`)."""
+
 ocr_results = sa.Table(
     "trajforge_ocr",
     _meta,
     sa.Column("sha256", sa.String(64), primary_key=True),
-    sa.Column("engine", sa.String(80), primary_key=True),
+    sa.Column("engine", sa.String(_ENGINE_CHARS), primary_key=True),
     sa.Column("lines_json", sa.Text, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
 )
@@ -69,6 +73,17 @@ ocr_screens = sa.Table(
 """The screen each reading read against earlier screens (`OcrSeries`) is of: such a reading's key names its chain
 of screens, not the screen, and `OcrReader.forget` finds it here. A table of its own, so that a database made
 before it gets it from `create_all`, with no change to `trajforge_ocr`."""
+
+
+def _engine_key(engine_id: str) -> str:
+    """The engine id as `trajforge_ocr.engine` keeps it: as it is where it fits, so every reading kept before stays
+    found, else its start and a hash of the whole id, to the column's length (PaddleOCR's folder names make ids of
+    80 and more, and PostgreSQL refuses a longer value). The column stays as it is: a wider one would need every
+    database made before to be migrated."""
+    if len(engine_id) <= _ENGINE_CHARS:
+        return engine_id
+    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
+    return f"{engine_id[:_ENGINE_CHARS - len(digest) - 1]}~{digest}"
 
 
 class OcrBackendMissing(ImportError):
@@ -156,17 +171,36 @@ def _rapid_id() -> str:
         raise OcrBackendMissing(f"OCR backend rapidocr is not installed: {INSTALL}") from None
 
 
+def _models_digest(folders: tuple[Path, ...]) -> str:
+    """A hash of the model files in these folders: each file's name in its folder, size and content. The content,
+    not a file's mtime: the id is shared by every machine that reads into one cache and names the OCR in stages'
+    versions, and a copy of the same models (a new machine, an rsync) has new mtimes. Read once a process
+    (`OcrReader.engine_id` is cached): 100 MB hash in 0.17 s (2 cores, 2026-12-07), PP-OCRv5's server models
+    (about 170 MB) in about 0.3 s."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        digest.update(f"{folder.name}\0".encode())
+        for file in sorted(f for f in folder.rglob("*") if f.is_file()):
+            with file.open("rb") as content:
+                content_hash = hashlib.file_digest(content, "sha256").hexdigest()
+            digest.update(f"{file.relative_to(folder).as_posix()}\0{file.stat().st_size}\0{content_hash}\0".encode())
+    return digest.hexdigest()[:12]
+
+
 def _paddle_id(det_dir: Path | None, rec_dir: Path | None) -> str:
-    """paddleocr's engine id: its version and its model folders' names (read without loading them)."""
+    """paddleocr's engine id: its version, its model folders' names and a hash of their files (read without loading
+    them), so other models in folders of the same names read screens again."""
     if det_dir is None or rec_dir is None or not Path(det_dir).is_dir() or not Path(rec_dir).is_dir():
         raise OcrBackendMissing(
             "OCR backend paddleocr needs its model folders: set synth.paddle_det_dir and synth.paddle_rec_dir "
             f"to PP-OCR detection and recognition model directories (got {det_dir}, {rec_dir})"
         )
     try:
-        return f"paddleocr-{version('paddleocr')}:{Path(det_dir).name}:{Path(rec_dir).name}"
+        paddle = version("paddleocr")
     except PackageNotFoundError:
         raise OcrBackendMissing("OCR backend paddleocr is not installed: pip install paddleocr paddlepaddle") from None
+    det, rec = Path(det_dir), Path(rec_dir)
+    return f"paddleocr-{paddle}:{det.name}:{rec.name}:{_models_digest((det, rec))}"
 
 
 class LineMemo:
@@ -261,6 +295,7 @@ def _rapidocr_on_onnxruntime() -> tuple[RapidOCR, Path]:
     """rapidocr as configured here, every model on onnxruntime as rapidocr runs them, and its detection model's
     file."""
     try:
+        import onnxruntime  # noqa: F401  rapidocr runs its models on it but does not depend on it
         import rapidocr
     except ImportError as exc:
         raise OcrBackendMissing(f"OCR backend rapidocr is not installed ({exc}): {INSTALL}") from exc
@@ -430,7 +465,7 @@ class OcrReader:
             return None
         with self._db.connect() as conn:
             row = conn.execute(sa.select(ocr_results.c.lines_json).where(
-                ocr_results.c.sha256 == key, ocr_results.c.engine == engine_id)).first()
+                ocr_results.c.sha256 == key, ocr_results.c.engine == _engine_key(engine_id))).first()
         if row is None:
             return None
         lines = _decode(row.lines_json)
@@ -448,8 +483,8 @@ class OcrReader:
         self._remember(key, engine_id, screen, lines)
         if self._db is None:
             return
-        reading = dict(sha256=key, engine=engine_id, lines_json=json.dumps([asdict(line) for line in lines]),
-                       created_at=datetime.now(timezone.utc))
+        reading = dict(sha256=key, engine=_engine_key(engine_id),
+                       lines_json=json.dumps([asdict(line) for line in lines]), created_at=datetime.now(timezone.utc))
         rows = [] if key == screen else [(ocr_screens, dict(key=key, sha256=screen))]
         rows.append((ocr_results, reading))
         for table, row in rows:  # the screen first: `forget` never meets a reading it cannot place
@@ -531,9 +566,14 @@ class OcrSeries:
 
     @property
     def engine_id(self) -> str:
-        """Names what read the series' screens: the whole reads' engine, with `+diff` when incremental."""
+        """Names what read the series' screens: the whole reads' engine, with `+diff` and the settings of the
+        comparison when incremental. A reading against an earlier screen depends on the tiles and padding of
+        `llm.ocr_diff`, and which earlier screen a screen is read against on INCREMENTAL_BASES and
+        INCREMENTAL_MAX_AREA (grounding's rows with it): an upgrade that changes one reads such screens again."""
         whole = self.reader.engine_id
-        return f"{whole}+diff" if self.incremental else whole
+        if not self.incremental:
+            return whole
+        return f"{whole}+diff:t{ocr_diff.TILE}p{ocr_diff.PAD}b{INCREMENTAL_BASES}a{INCREMENTAL_MAX_AREA}"
 
     def read(self, png: bytes) -> tuple[OcrLine, ...]:
         """The screen's text lines, top to bottom."""
@@ -548,10 +588,12 @@ class OcrSeries:
             key = hashlib.sha256(f"{sha}<{base_key}".encode()).hexdigest()
             lines = reader._known(key, self.engine_id, sha)
             if lines is None:
-                with reader._engine() as engine:
-                    read = [line for x0, y0, x1, y1 in rects
-                            for line in shifted(engine(rgb[y0:y1, x0:x1]), x0, y0)]
-                    reader._count(region=True)
+                read: list[OcrLine] = []
+                if rects:  # else its pixels are the earlier screen's (another file of it): no engine, no OCR run
+                    with reader._engine() as engine:
+                        read = [line for x0, y0, x1, y1 in rects
+                                for line in shifted(engine(rgb[y0:y1, x0:x1]), x0, y0)]
+                        reader._count(region=True)
                 lines = reading_order([*kept, *read])
                 reader._keep(key, self.engine_id, sha, lines)
         self._bases.append((rgb, lines, key))

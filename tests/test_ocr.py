@@ -5,14 +5,19 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
+import shutil
+import sys
 import threading
 
 import numpy as np
 import pytest
 import sqlalchemy as sa
 from PIL import Image, ImageDraw, ImageFont
+from PIL.PngImagePlugin import PngInfo
 
-from trajforge.llm import ocr
+from trajforge.llm import ocr, ocr_diff
+from trajforge.llm.local import INSTALL
 from trajforge.llm.ocr import OcrBackendMissing, OcrLine, OcrReader, reader_for
 from trajforge.llm.ocr_diff import PAD, TILE, changed_tiles, regions
 from trajforge.schemas.config import Settings, SynthSettings
@@ -200,9 +205,23 @@ def test_paddleocr_is_named_without_loading_an_engine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ocr, "_Paddle", loaded)
     monkeypatch.setattr(ocr, "version", lambda package: {"paddleocr": "3.1.0"}[package])
-    (tmp_path / "det").mkdir(), (tmp_path / "rec").mkdir()
-    reader = OcrReader("paddleocr", paddle_det_dir=tmp_path / "det", paddle_rec_dir=tmp_path / "rec")
-    assert reader.engine_id == "paddleocr-3.1.0:det:rec"
+
+    def engine_id(models: str) -> str:
+        folder = tmp_path / models
+        return OcrReader("paddleocr", paddle_det_dir=folder / "det", paddle_rec_dir=folder / "rec").engine_id
+
+    for models, weights in (("v4", b"PP-OCRv4 weights"), ("v5", b"PP-OCRv5 weights")):
+        for part in ("det", "rec"):
+            (tmp_path / models / part).mkdir(parents=True)
+            (tmp_path / models / part / "inference.pdiparams").write_bytes(weights + part.encode())
+            (tmp_path / models / part / "inference.yml").write_text(f"model: {part}")
+    v4 = engine_id("v4")
+    assert v4.startswith("paddleocr-3.1.0:det:rec:"), "the version and folders' names stay readable"
+    assert engine_id("v5") != v4, "other models in folders of the same names read screens again"
+    shutil.copytree(tmp_path / "v4", tmp_path / "copy")
+    assert engine_id("copy") == v4, "the same models copied to another place or machine read no screen again"
+    (tmp_path / "v4" / "rec" / "inference.pdiparams").write_bytes(b"fine-tuned weights")
+    assert engine_id("v4") != v4, "a model file replaced in its folder reads screens again"
 
 
 def test_a_screen_that_changed_in_one_place_is_read_there_only():
@@ -218,7 +237,7 @@ def test_a_screen_that_changed_in_one_place_is_read_there_only():
     words = {w.text: w.box for line in lines for w in line.words}
     x, y, w, h = words["57"]
     assert inside((x + w / 2, y + h / 2), drawn["57"]), "the region's boxes are placed on the whole screen"
-    assert series.engine_id == reader.engine_id + "+diff"
+    assert series.engine_id.startswith(reader.engine_id + "+diff")
     assert [line.text for line in reader.read(after)] == [line.text for line in lines]  # a whole read, on its own
     assert (reader.engine_runs, reader.region_reads) == (3, 1)
 
@@ -268,3 +287,76 @@ def test_a_changed_region_takes_in_every_line_it_touches():
     # the changed tile (112-128, 96-112) with PAD, grown by both lines (10-220, 100-120) with PAD
     assert rects == [(10 - PAD, 96 - PAD, 220 + PAD, 120 + PAD)]
     assert not changed_tiles(np.zeros((40, 40, 3), np.uint8), np.zeros((40, 40, 3), np.uint8)).any()
+
+
+def test_a_long_engine_id_fits_the_engine_column(postgres_url, monkeypatch):
+    """An engine id longer than `trajforge_ocr.engine` (PaddleOCR's folder names make ids of 80 and more) is
+    kept under a key that fits, on a database that enforces the column's length, and stays apart from an id
+    that differs only past the part that fits."""
+    png, _ = page([("Long engine names", (20, 20))])
+    sha = hashlib.sha256(png).hexdigest()
+    local = "+cu128.ubuntu22.04.nightly20261205.build" + "0" * 40  # a wheel's local version label
+    monkeypatch.setattr(ocr, "version", lambda package: {"rapidocr": "3.10.0" + local}[package])
+    reader = OcrReader(db_url=postgres_url)
+    try:
+        lines = reader.read(png)
+        assert len(reader.engine_id) > ocr.ocr_results.c.engine.type.length
+        later = OcrReader(db_url=postgres_url)
+        assert later.read(png) == lines and later.engine_runs == 0
+        with sa.create_engine(postgres_url).connect() as conn:
+            (stored,) = conn.execute(sa.select(ocr.ocr_results.c.engine).where(ocr.ocr_results.c.sha256 == sha))
+        assert stored.engine.startswith("rapidocr-3.10.0+cu128"), "the stored key stays readable"
+        monkeypatch.setattr(ocr, "version", lambda package: {"rapidocr": "3.10.0" + local + "1"}[package])
+        other = OcrReader(db_url=postgres_url)
+        assert other.read(png) == lines and other.engine_runs == 1
+    finally:
+        reader.forget({sha})
+
+
+def test_a_screen_with_the_pixels_of_an_earlier_one_is_not_read_again():
+    """A screenshot taken again of an unchanged screen differs in its file (here a PNG text chunk), not in its
+    pixels: nothing is read and no engine runs, and the reruns benchmark counts no OCR for it."""
+    png, _ = page([("Send message now", (10, 10)), ("Inbox 42", (10, 80))])
+    info = PngInfo()
+    info.add_text("Comment", "taken a second later")
+    out = io.BytesIO()
+    Image.open(io.BytesIO(png)).save(out, format="PNG", pnginfo=info)
+    again = out.getvalue()
+    assert again != png
+    reader = OcrReader()
+    series = reader.series(incremental=True)
+    first = series.read(png)
+    assert [line.text for line in series.read(again)] == [line.text for line in first]
+    assert (reader.engine_runs, reader.region_reads) == (1, 0)
+
+
+def test_a_change_of_the_incremental_settings_reads_screens_again(monkeypatch):
+    """Readings against earlier screens depend on how screens are compared (`llm.ocr_diff`'s tiles and padding,
+    how many earlier screens and how much change): an upgrade that changes one reads such screens again."""
+    before, _ = page([("Send message now", (10, 10)), ("Inbox 42", (10, 80))])
+    after, _ = page([("Send message now", (10, 10)), ("Inbox 57", (10, 80))])
+    reader = OcrReader()
+    ids = {reader.series(incremental=True).engine_id}
+    for module, name, value in ((ocr_diff, "PAD", 12), (ocr_diff, "TILE", 32), (ocr, "INCREMENTAL_BASES", 4),
+                                (ocr, "INCREMENTAL_MAX_AREA", 0.5)):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, value)
+            ids.add(reader.series(incremental=True).engine_id)
+    assert len(ids) == 5, ids
+    series = reader.series(incremental=True)
+    series.read(before), series.read(after)
+    assert reader.region_reads == 1
+    monkeypatch.setattr(ocr_diff, "PAD", 12)
+    series = reader.series(incremental=True)
+    series.read(before), series.read(after)
+    assert reader.region_reads == 2, "the changed screen read again with the new padding"
+
+
+def test_rapidocr_without_onnxruntime_names_the_install_command(monkeypatch):
+    """rapidocr does not depend on onnxruntime, which runs its recogniser: without it a read fails with the
+    command that installs it, not with rapidocr's bare ImportError."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if it were not installed
+    reader, (png, _) = OcrReader(), page([("Checkout", (20, 20))])
+    assert reader.engine_id.startswith("rapidocr-")
+    with pytest.raises(OcrBackendMissing, match=re.escape(INSTALL)):
+        reader.read(png)
