@@ -54,6 +54,7 @@ _ROLES = {
 }
 _DUMP = "/sdcard/trajforge_window_dump.xml"
 _COMPONENT = re.compile(r"[A-Za-z][\w.]*/[\w.$]+")  # package/activity, as `am start -n` takes it
+_PACKAGE = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")  # an application id, as Android takes it
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,10 @@ def ax_nodes(nodes: list[UINode]) -> tuple[AXNode, ...]:
 
 
 def _escape_text(text: str) -> str:
-    """`input text` takes one shell word; spaces must be %s and shell metacharacters quoted."""
-    return shlex.quote(text.replace("%", r"\%").replace(" ", "%s"))
+    """`input text` takes one shell word; spaces must be %s and shell metacharacters quoted. Its only escape is
+    %s for a space (AOSP InputShellCommand.sendText): a `%` before anything else is typed as it is, and a
+    backslash before it would be typed too."""
+    return shlex.quote(text.replace(" ", "%s"))
 
 
 class AndroidEnv:
@@ -163,7 +166,7 @@ class AndroidEnv:
         package = start_url.split("/", 1)[0]
         self._run("shell", "am", "force-stop", package)
         self._run("shell", "pm", "clear", package)
-        self._run("shell", "am", "start", "-W", "-n", start_url)
+        self._run("shell", "am", "start", "-W", "-n", shlex.quote(start_url))  # an inner class's `$` too
 
     def observe(self) -> Observation:
         png = self._run("exec-out", "screencap", "-p", binary=True)
@@ -214,6 +217,8 @@ class AndroidEnv:
             if secrets.PLACEHOLDER.search(a["text"]):
                 # `input text` puts its argument on adb's command line, which the device's process list shows.
                 return "type: secrets are typed in browser envs only; adb would show the value on its command line"
+            if "%s" in a["text"]:
+                return "type: `input text` types %s as a space and has no escape for it, so it cannot type '%s'"
             self._run("shell", "input", "text", _escape_text(a["text"]))
         elif kind in ("key", "system_button"):
             name = actions.key_name(a.get("key") or a.get("button"))
@@ -225,6 +230,9 @@ class AndroidEnv:
             self._run("shell", "input", "keyevent", str(code))
         elif kind == "open":
             package = self.packages.get(a["text"], a["text"])
+            if not _PACKAGE.fullmatch(package):  # adb hands the command line to the device's shell, which parses it
+                return (f"open: {package!r} is no Android package name; name a package (com.android.settings) "
+                        f"or an app of rollout.android.packages ({', '.join(self.packages) or 'none configured'})")
             self._run("shell", "monkey", "-p", package, "-c", "android.intent.category.LAUNCHER", "1")
         elif kind == "wait":
             time.sleep(float(a.get("seconds", 1)))

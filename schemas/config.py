@@ -717,6 +717,18 @@ class Settings(BaseSettings):
     ces: CESSettings = CESSettings()
     agentic_q: AgenticQSettings = AgenticQSettings()
 
+    @model_validator(mode="after")
+    def _android_probes_known(self) -> Settings:
+        """Each Android task's probe is one the devices are asked: a typo left every episode of the task judged a
+        failure (`check_probe`: no such probe), which the critics' ground truth blamed on the agent."""
+        probes = self.rollout.android.probes
+        unknown = [f"query_gen.android_tasks[{i}] ({t.instruction!r}): probe {t.probe!r} is not in "
+                   f"rollout.android.probes ({', '.join(sorted(probes)) or 'none configured'})"
+                   for i, t in enumerate(self.query_gen.android_tasks) if t.probe not in probes]
+        if unknown:
+            raise ValueError("; ".join(unknown))
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -961,5 +973,7 @@ def load_settings(path: Path | None = None) -> Settings:
             field = ".".join(str(p) for p in loc)
             variable = _variable_of(loc)  # the environment overrides the file
             where = f"environment variable {variable}" if variable else _sources_of(loc, path)
-            lines.append(f"{where}: field {field!r}: {err['msg']}")
+            # A check across sections (Settings' own) has no field, and is blamed on the file (no variable is named
+            # below the empty `loc`); its message names the fields it read.
+            lines.append(f"{where}: field {field!r}: {err['msg']}" if loc else f"{where}: {err['msg']}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

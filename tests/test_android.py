@@ -8,6 +8,7 @@ screencap, uiautomator dump, window list and screen size.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,8 @@ def test_element_at_names_a_piece_of_a_secret_masked_as_the_observation_does(dev
         ({"type": "long_press", "x": 10, "y": 20}, "shell input swipe 10 20 10 20 1000"),
         ({"type": "swipe", "x": 360, "y": 1000, "x2": 360, "y2": 300, "duration": 0.5},
          "shell input swipe 360 1000 360 300 500"),
-        ({"type": "type", "text": "50% off it's"}, "shell input text '50\\%%soff%sit'\"'\"'s'"),
+        # `input text` reads %s as a space and has no escape: a % before anything else reaches the screen as is.
+        ({"type": "type", "text": "50% off it's"}, "shell input text '50%%soff%sit'\"'\"'s'"),
         ({"type": "system_button", "button": "Back"}, "shell input keyevent 4"),
         ({"type": "system_button", "button": "Home"}, "shell input keyevent 3"),
         ({"type": "key", "key": "Enter"}, "shell input keyevent 66"),
@@ -92,15 +94,19 @@ def test_actions_become_input_commands(device, action, command):
 
 
 @pytest.mark.parametrize(
-    "action",
-    [{"type": "click", "x": 800, "y": 10}, {"type": "fly"}, {"type": "swipe", "x": 1, "y": 2},
-     {"type": "scroll", "x": 1, "y": 2, "dy": 100}],
+    ("action", "error"),
+    [({"type": "click", "x": 800, "y": 10}, "off the 720x1280 screen"), ({"type": "fly"}, "fly"),
+     ({"type": "swipe", "x": 1, "y": 2}, "x2"), ({"type": "scroll", "x": 1, "y": 2, "dy": 100}, "scroll"),
+     # The device's shell parses the command line adb sends: this text ran `echo` there.
+     ({"type": "open", "text": "x; echo INJECTED >> /sdcard/f"}, "no Android package"),
+     ({"type": "open", "text": "Google Maps"}, "rollout.android.packages"),
+     ({"type": "type", "text": "100%sure"}, "%s")],
 )
-def test_invalid_actions_are_reported_and_send_nothing(device, action):
+def test_invalid_actions_are_reported_and_send_nothing(device, action, error):
     env, log = device
     env.screen_size()
     before = commands(log)
-    assert env.act(action)  # an error message, not an exception
+    assert error in env.act(action)  # an error message, not an exception
     assert commands(log) == before
 
 
@@ -114,6 +120,9 @@ def test_reset_clears_and_launches_the_app(device):
     ]
     with pytest.raises(ValueError, match="package/activity"):
         env.reset("episode-2", "https://example.org")
+    # An inner class's activity: its `$` reaches the device's shell quoted, not as a variable.
+    env.reset("episode-3", "com.example.app/.Main$Inner")
+    assert commands(log)[-1] == "shell am start -W -n 'com.example.app/.Main$Inner'"
 
 
 def test_app_state_reads_activity_and_probes(device):
@@ -216,12 +225,31 @@ def test_android_tasks_become_queries_in_the_query_gen_stage(tmp_path):
     from trajforge.schemas.config import Settings
     from trajforge.tasks.runner import commit, plan, run_shard
 
-    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, query_gen={
-        "apps": [], "android_tasks": [{"instruction": "Turn on Wi-Fi", "start": "com.android.settings/.Settings",
-                                       "probe": "wifi_on", "value": "1"}]}))
+    task = {"instruction": "Turn on Wi-Fi", "start": "com.android.settings/.Settings", "probe": "wifi_on", "value": "1"}
+    android = {"probes": {"wifi_on": "settings get global wifi_on"}}  # a task's probe is one the devices are asked
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, rollout={"android": android},
+                                 query_gen={"apps": [], "android_tasks": [task]}))
     p = plan(stages()["query_gen"], ws, "run-a", None)
     for shard in p.pending:
         run_shard(p, shard, ws)
     queries = ws.catalog.load("queries", commit(p, ws)["queries"])
     assert queries["app"].to_list() == ["android"] and queries["path"].to_list() == [["com.android.settings/.Settings"]]
     assert json.loads(queries["checker_params_json"][0]) == {"probe": "wifi_on", "value": "1"}
+
+
+def test_an_android_tasks_probe_must_be_one_the_devices_are_asked(tmp_path):
+    """A probe that rollout.android.probes does not hold (a typo) left every episode of the task judged a failure
+    ("no probe"), which the critics' ground truth blamed on the agent; the config is refused when it loads."""
+    from trajforge.schemas.config import ConfigError, load_settings
+
+    cfg = tmp_path / "trajforge.yaml"
+    task = "{instruction: Turn on Wi-Fi, start: com.android.settings/.Settings, probe: %s, value: '1'}"
+    config = ("rollout:\n  android:\n    probes: {wifi_on: settings get global wifi_on, airplane: x}\n"
+              "query_gen:\n  android_tasks:\n    - " + task + "\n")
+    cfg.write_text(config % "wifi_on")
+    assert load_settings(cfg).query_gen.android_tasks[0].probe == "wifi_on"
+    cfg.write_text(config % "wifi_On")
+    error = f"{cfg}: Value error, query_gen.android_tasks[0] ('Turn on Wi-Fi'): probe 'wifi_On' is not in " \
+            "rollout.android.probes (airplane, wifi_on)"
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        load_settings(cfg)
