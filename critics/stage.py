@@ -55,6 +55,16 @@ def _check_models(settings: CriticSettings, gateway: Gateway | None) -> None:
                 raise ValueError(f"critics: {exc}") from None
 
 
+def ocr_engine(settings: CriticSettings, gateway: Gateway | None) -> str | None:
+    """The OCR engine whose text the critics' models read, None where none does: the text channel reads the final
+    screen's caption, and a step critic that cannot see images reads its screenshots as OCR text. Another engine
+    writes other text, so other verdicts: its id goes into the config hash and the lineage, as grounding's does."""
+    if gateway is None:
+        return None
+    text_only_steps = settings.step_critic == "model" and not gateway.sees_images(settings.step_model)
+    return gateway.ocr.engine_id if settings.text_channel or text_only_steps else None
+
+
 def judge(
     episodes: list[EpisodeUnit],
     *,
@@ -97,6 +107,8 @@ def judge(
             if dropped is not None:
                 out.dropped[dropped] += 1
     _account(out, critiques, verdicts)
+    if (engine := ocr_engine(settings, gateway)) is not None:
+        out.models["ocr"] = engine
     out.rows = {"step_critiques": critiques, "verdicts": verdicts}
     return out
 
@@ -182,7 +194,7 @@ REFERENCE_NOT_JUDGED = "reference episodes: checked by the reference stage, not 
 
 def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
     """Episodes of one version, with the steps and queries of the same rollout run; its reference episodes are
-    counted, not judged."""
+    counted, not judged. The fingerprint names the OCR engine the critics read (`ocr_engine`)."""
     episodes, snapshot = ws.catalog.rows_added("episodes", snapshot)
     stats: Counter[str] = Counter()
     if "source" in episodes.columns:
@@ -202,15 +214,22 @@ def load_episodes(ws: Workspace, snapshot: int | None) -> Inputs[EpisodeUnit]:
         EpisodeUnit(Episode.model_validate(ep), by_episode.get(ep["episode_id"], []), queries.get(ep["query_id"]))
         for ep in episodes.to_dicts()
     ]
+    gateway = _gateway(ws)
+    _check_models(ws.settings.critics, gateway)  # an unknown name fails as a critic's, before `ocr_engine` asks it
     return Inputs(units=units, snapshots={"episodes": snapshot, "steps": steps_snapshot, "queries": queries_snapshot},
-                  stats=stats)
+                  fingerprint=ocr_engine(ws.settings.critics, gateway) or "", stats=stats)
+
+
+def _gateway(ws: Workspace) -> Gateway | None:
+    """The run's gateway where the critics ask a model; None (not opened) where they ask none."""
+    cfg = ws.settings.critics
+    asks_models = cfg.step_critic == "model" or cfg.text_channel or cfg.multimodal_model is not None
+    return ws.gateway if asks_models else None
 
 
 def run_critics(units: list[EpisodeUnit], ws: Workspace, run_id: str, config_hash: str) -> StageOutput:
-    cfg = ws.settings.critics
-    asks_models = cfg.step_critic == "model" or cfg.text_channel or cfg.multimodal_model is not None
-    return judge(units, run_id=run_id, settings=cfg, config_hash=config_hash, checker_for=checker_for,
-                 blobs=ws.blobs, gateway=ws.gateway if asks_models else None)
+    return judge(units, run_id=run_id, settings=ws.settings.critics, config_hash=config_hash,
+                 checker_for=checker_for, blobs=ws.blobs, gateway=_gateway(ws))
 
 
 STAGE = StageDef[Workspace, EpisodeUnit](

@@ -63,8 +63,9 @@ def caption(png: bytes | None, reader: OcrReader) -> str:
     """The final screen as text for a text-only model: the OCR'd text boxes, top to bottom."""
     if png is None:
         return "(no screenshot: the episode took no step)"
-    texts = [line.rsplit(" @ ", 1)[0].strip('"') for line in reader.lines(png)]
-    return " | ".join(texts)[:MAX_CAPTION_CHARS] or "(no text on the screen)"
+    boxes = sorted((line.box[1] + line.box[3] / 2, line.box[0] + line.box[2] / 2, line.text)
+                   for line in reader.read(png))  # by centre, top to bottom, as `OcrReader.lines` orders them
+    return " | ".join(text for _, _, text in boxes)[:MAX_CAPTION_CHARS] or "(no text on the screen)"
 
 
 def _ask(gateway: Gateway, model: str | None, template: str, **variables: Any) -> ChannelAnswer:

@@ -42,7 +42,8 @@ def cache_key(
     constraint: str | None = None,
 ) -> str:
     """The sha256 of the request's canonical JSON (`observation` says how images were shown; `constraint`
-    names the grammar the answer was held to, absent for free decoding so older keys still hold)."""
+    names what held the answer while decoding: the grammar's hash, `json_schema:` before it where the server was
+    sent the JSON schema; absent for free decoding so older keys still hold)."""
     material: dict[str, object] = {
         "format": KEY_FORMAT,
         "model_id": model_id,

@@ -33,7 +33,7 @@ from trajforge.data.blobs import BlobCorrupted, BlobMissing, BlobStore
 from trajforge.data.catalog import Catalog
 from trajforge.llm import ocr
 from trajforge.llm.cache import ResponseCache, cache_key
-from trajforge.llm.calls import BackendError, CallRecord, ChatResult, Completion, GatewayError, Sampling
+from trajforge.llm.calls import BackendError, CallRecord, ChatResult, Completion, Enforcement, GatewayError, Sampling
 from trajforge.llm.local import LocalBackend
 from trajforge.llm.messages import ImagePart, Message, TextPart
 from trajforge.llm.prompts import RenderedPrompt, load_prompt
@@ -85,6 +85,15 @@ def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:
         raise ValueError(f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} holds a "
                          "control character (the value is not shown)")
     return SecretStr(value)
+
+
+def _held_to(constraint: Constraint | None, how: Enforcement | None) -> str | None:
+    """What held the answer while it was decoded, for its cache key: a server sent the JSON schema decodes
+    under other rules than one sent the grammar, so after `structured_output` changes the call is asked again.
+    A grammar's key is its hash alone, as before `how` was keyed, so answers cached then are still found."""
+    if constraint is None:
+        return None
+    return constraint.key if how == "grammar" else f"{how}:{constraint.key}"
 
 
 class Gateway:
@@ -237,7 +246,7 @@ class Gateway:
         if how is None:
             constraint = None
         key = cache_key(backend.model_id, prompt.template, prompt.version, messages, sampling, observation,
-                        constraint.key if constraint is not None else None)
+                        _held_to(constraint, how))
         about: dict[str, Any] = dict(
             template=prompt.template,
             template_version=prompt.version,

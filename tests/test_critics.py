@@ -20,23 +20,28 @@ from typing import Any
 import networkx as nx
 import pytest
 from conftest import ScriptedPolicy, require
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 from scripted import Reply, ScriptedServer
 
 from trajforge.critics.annotate import BOX_COLOR, POINT_COLOR, RING_RADIUS, annotate
-from trajforge.critics.stage import EpisodeUnit, checker_for, judge
+from trajforge.critics.stage import REFERENCE_NOT_JUDGED, EpisodeUnit, checker_for, judge, load_episodes
+from trajforge.critics.stage import STAGE as CRITICS
 from trajforge.critics.steps import StepJudgement
-from trajforge.critics.trajectory import ChannelAnswer, consensus, not_asked
+from trajforge.critics.trajectory import ChannelAnswer, caption, consensus, not_asked
 from trajforge.data.blobs import BlobStore
+from trajforge.data.catalog import Lineage, commit_key
 from trajforge.envs.apps import AppServer, load_app
 from trajforge.envs.browser import BrowserEnv
-from trajforge.llm import Gateway
+from trajforge.llm import Gateway, ocr
 from trajforge.llm.local import missing_models
+from trajforge.llm.ocr import OcrReader
 from trajforge.llm.structured import ParseError, parse
+from trajforge.llm.workspace import Workspace
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
-from trajforge.schemas.config import CriticSettings, LLMSettings
-from trajforge.schemas.records import Query
+from trajforge.schemas.config import CriticSettings, LLMSettings, Settings
+from trajforge.schemas.records import Episode, Query
+from trajforge.tasks.runner import plan
 
 SCRIPT = [
     {"type": "fly"},
@@ -275,16 +280,8 @@ def test_step_critic_and_text_channel_on_the_embedded_model(recorded):
     assert out.models["trajectory_text"] == text["model_id"]
 
 
-def test_reference_episodes_of_the_run_are_counted_not_judged(tmp_path: Path) -> None:
-    """The reference stage writes episodes into the same night as the rollout; the critics leave them to it, and
-    say so in the lineage's counts, so the episodes the night wrote add up to those judged and those counted."""
-    from trajforge.critics.stage import REFERENCE_NOT_JUDGED, load_episodes
-    from trajforge.data.catalog import Lineage, commit_key
-    from trajforge.llm.workspace import Workspace
-    from trajforge.schemas.config import Settings
-    from trajforge.schemas.records import Episode
-
-    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+def commit_night(ws: Workspace, episodes: dict[str, dict[str, str | None]]) -> None:
+    """A night's queries, then per stage its episodes (id -> source) of the cart query, each with no step."""
     query = cart_query()
 
     def commit(table: str, rows: list[Any], stage: str, **inputs: int) -> int:
@@ -300,10 +297,62 @@ def test_reference_episodes_of_the_run_are_counted_not_judged(tmp_path: Path) ->
                        started_at=now, finished_at=now, source=source)
 
     queries = commit("queries", [query], "history")
-    for stage, episodes in (("reference", [episode("r1", "reference"), episode("r2", "reference")]),
-                            ("rollout", [episode("p1", None)])):
-        commit("episodes", episodes, stage, queries=queries)
+    for stage, sources in episodes.items():
+        commit("episodes", [episode(i, source) for i, source in sources.items()], stage, queries=queries)
         commit("steps", [], stage, queries=queries)
+
+
+def test_reference_episodes_of_the_run_are_counted_not_judged(tmp_path: Path) -> None:
+    """The reference stage writes episodes into the same night as the rollout; the critics leave them to it, and
+    say so in the lineage's counts, so the episodes the night wrote add up to those judged and those counted."""
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    commit_night(ws, {"reference": {"r1": "reference", "r2": "reference"}, "rollout": {"p1": None}})
     inputs = load_episodes(ws, None)
     assert [u.episode.episode_id for u in inputs.units] == ["p1"]
     assert inputs.stats == {REFERENCE_NOT_JUDGED: 2}
+
+
+def test_the_ocr_engine_the_critics_read_is_part_of_their_config_hash(tmp_path, monkeypatch):
+    """The text channel reads the final screen as OCR text: another engine writes other text, so other verdicts.
+    A resumed night that changed `synth.ocr_backend` must not mix the two engines' verdicts under one hash."""
+    real = ocr.version
+    monkeypatch.setattr(ocr, "version", lambda package: "3.1.0" if package == "paddleocr" else real(package))
+    for part in ("det", "rec"):
+        (tmp_path / "paddle" / part).mkdir(parents=True)
+        (tmp_path / "paddle" / part / "inference.yml").write_text(f"model: {part}")
+    paddle = {"paddle_det_dir": tmp_path / "paddle" / "det", "paddle_rec_dir": tmp_path / "paddle" / "rec"}
+
+    def config(backend: str, **critics: Any) -> str:
+        ws = Workspace.open(Settings(warehouse={"path": tmp_path / backend / str(len(critics))}, critics=critics,
+                                     synth={"ocr_backend": backend, **paddle}))
+        commit_night(ws, {"rollout": {"p1": None}})
+        return plan(CRITICS, ws, "night", None).config_hash
+
+    assert config("rapidocr") != config("paddleocr")
+    rules = {"step_critic": "rules", "text_channel": False}
+    assert config("rapidocr", **rules) == config("paddleocr", **rules), "critics that read no OCR keep their hash"
+
+
+def test_the_text_channel_reads_the_final_screen_and_the_lineage_names_the_ocr(recorded):
+    blobs, episodes = recorded
+    settings = CriticSettings(step_critic="rules", text_model="vl")
+    reply = Reply(text='{"reason": "The cart holds the pizza.", "verdict": "correct"}')
+    with ScriptedServer(reply) as server, endpoint_gateway(server.url, blobs, vision=False) as gw:
+        out = judge([episodes["replay"]], run_id="r", settings=settings, config_hash="h",
+                    checker_for=checker_for, blobs=blobs, gateway=gw)
+        final = caption(blobs.get(episodes["replay"].steps[-1].screenshot_after), gw.ocr)
+        assert out.models["ocr"] == gw.ocr.engine_id
+    assert "Margherita" in final and final in json.dumps(server.requests[0]["body"]["messages"], ensure_ascii=False)
+    assert json.loads(out.rows["verdicts"][0].channels_json)["text"]["answer"] == "success"
+
+
+def test_a_caption_keeps_the_quotes_the_screen_shows():
+    """An inch mark or a quoted word reaches the text channel as the OCR read it."""
+    image = Image.new("RGB", (480, 200), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.truetype("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", 24)
+    draw.text((20, 100), '"Quoted" text', fill="black", font=font)
+    draw.text((20, 20), 'Size: 5"', fill="black", font=font)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    assert caption(png.getvalue(), OcrReader()) == 'Size: 5" | "Quoted" text'

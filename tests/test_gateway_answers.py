@@ -60,3 +60,16 @@ def test_token_totals_count_only_what_the_endpoint_was_asked(judge, tmp_path):
         assert (gw.stats.tokens_in, gw.stats.tokens_out) == (11, 7)
     assert cached.record.cached and not asked.record.cached
     assert (cached.record.tokens_in, cached.record.tokens_out) == (asked.record.tokens_in, asked.record.tokens_out)
+
+
+def test_an_answer_held_to_a_json_schema_is_not_reused_for_a_grammar(judge, tmp_path):
+    """A server sent the JSON schema decodes under other rules than one sent the grammar: after
+    `structured_output` changes, the call is asked again, and its record says what held the answer it got."""
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    with ScriptedServer(Reply(), Reply()) as server:
+        for how in ("json_schema", "grammar", "json_schema"):
+            with gateway(server.url, db_url=db, max_retries=0, structured_output=how) as gw:
+                result = gw.chat_sync(judge, schema=Judgement)
+            assert result.record.constrained == how
+    assert len(server.requests) == 2, "the third call is the first's, answered from the cache"
+    assert "response_format" in server.requests[0]["body"] and "response_format" not in server.requests[1]["body"]
