@@ -916,7 +916,8 @@ def apps_check(
     config: ConfigOpt = None,
 ) -> None:
     """Check an app directory against the live app: its spec, that the app answers, that each sampled task's
-    pages and elements are there, and that its goal's check holds after its reference path is replayed."""
+    pages and elements are there, and that its goal's check holds after its reference path is replayed; all in
+    `rollout.viewport`, as a night's query generation and rollouts see the app."""
     from trajforge.data.blobs import BlobStore
     from trajforge.envs.appdir import AppDirError
     from trajforge.envs.kinds import use_app_dirs
@@ -934,7 +935,7 @@ def apps_check(
         # Template wording: the check is of pages, elements and goals, and needs no model gateway.
         made = generate_queries([kind], run_id="apps-check", settings=settings.query_gen.model_copy(update={
             "num_queries": queries, "atomic_per_app": 0, "validate_interface": True, "instructions": "template"}),
-            chromium=chromium)
+            chromium=chromium, viewport=settings.rollout.viewport)
         found = made.rows["queries"]
         with tempfile.TemporaryDirectory() as blobs:
             replay = settings.rollout.model_copy(update={"policy": "replay", "samples_per_query": 1})

@@ -107,8 +107,8 @@ def generate_queries(
     """
     if settings.instructions == "model" and gateway is None:
         raise ValueError("query_gen.instructions: 'model' needs a model gateway (llm settings)")
-    live = settings.validate_interface or settings.atomic_per_app > 0 or any(
-        a.name in settings.deep_search_apps for a in apps)
+    deep = settings.deep_search_queries > 0 and any(a.name in settings.deep_search_apps for a in apps)
+    live = settings.validate_interface or settings.atomic_per_app > 0 or deep
     if live and chromium is None:
         raise ValueError("query_gen: validate_interface, atomic_per_app and deep_search_apps open the live app "
                          "and need a Chromium (rollout.chromium)")
@@ -227,16 +227,21 @@ class AppUnit:
     "android")."""
 
     app: str
+    spec: str = ""
+    """A digest of the app's page graph (empty for a suite). It is part of the unit's key, so of its shard's id: a
+    run resumed after the spec was edited does the app again, rather than keep the shard done with the old spec."""
 
 
 def load_apps(ws: Workspace, _: int | None) -> Inputs[AppUnit]:
-    """The configured apps; their specs' content is part of the config hash, so an edited spec is new work, and so
-    is the viewport the apps are crawled in (`rollout.viewport`: its screens are the pages rows, its action space
-    decides which queries pass validation)."""
+    """The configured apps; their specs' content is part of the config hash and of each app's shard id, so an
+    edited spec is new work, in a resumed run too, and so is the viewport the apps are crawled in
+    (`rollout.viewport`: its screens are the pages rows, its action space decides which queries pass validation;
+    a setting, so another viewport is another run)."""
     kinds = configured_kinds(ws.settings)
-    fingerprint = digest("".join(k.spec.model_dump_json() for k in kinds if k.spec is not None)
-                         + ws.settings.rollout.viewport)
-    return Inputs(units=[AppUnit(k.name) for k in kinds], fingerprint=fingerprint)
+    specs = {k.name: k.spec.model_dump_json() for k in kinds if k.spec is not None}
+    fingerprint = digest("".join(specs.values()) + ws.settings.rollout.viewport)
+    units = [AppUnit(k.name, digest(specs[k.name]) if k.name in specs else "") for k in kinds]
+    return Inputs(units=units, fingerprint=fingerprint)
 
 
 def run_query_gen(units: list[AppUnit], ws: Workspace, run_id: str, _: str) -> StageOutput:
@@ -258,7 +263,7 @@ def run_query_gen(units: list[AppUnit], ws: Workspace, run_id: str, _: str) -> S
 
 STAGE = StageDef[Workspace, AppUnit](
     name="query_gen",
-    key=lambda u: u.app,
+    key=lambda u: f"{u.app}@{u.spec}",
     reads=None,
     writes={"queries": "overwrite", "pages": "overwrite"},
     sections=("query_gen", "llm"),

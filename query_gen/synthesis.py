@@ -70,27 +70,33 @@ def missing_slot(instruction: str, slots: dict[str, str]) -> str | None:
     return None
 
 
-TOGGLES = {
-    "on": ("off", r"(?<!\w)(disabl|deactivat)\w*"),
-    "off": ("on", r"(?<!\w)(enabl|activat)\w*"),
+TURNED_ON = r"(?<!\w)(turn|switch|toggle|set)\s+(?:(?!off\b)\w+\s+){0,3}?on(?!\w)"
+"""An "on" that is the word after turn, switch, toggle or set, with at most three words between, none of them
+"off" ("switch off notifications on FreshCart" asks for off)."""
+
+STATE_ON = r"(?<!\w)on(?=\s*$|\s*[.,;:!?)]|\s+(?:in|for|at|within|inside|on|and|so|when|while|again)\b)"
+"""An "on" that is a state ("are on", "keep them on for FreshCart"): one not followed by an object, as a
+preposition is ("on FreshCart", "on sale")."""
+
+OTHER_WAY = {
+    "on": (r"(?<!\w)(off|disabl\w*|deactivat\w*)(?!\w)",),
+    "off": (r"(?<!\w)(enabl|activat)\w*", TURNED_ON, STATE_ON),
 }
-"""A toggle slot's value -> its opposite, and the verbs that ask for that opposite."""
+"""A toggle slot's value -> the patterns of an instruction that asks for the other value."""
 
 
 def flipped_toggle(instruction: str, slots: dict[str, str]) -> str | None:
     """The first toggle slot ("on" or "off") the instruction asks for the other way, or None.
 
-    "on" is in almost every sentence ("... on FreshCart"), so the whole-word check passes "Turn off order
-    notifications on FreshCart" for notifications=on. This reads a toggle as the word after turn, switch, toggle
-    or set, with at most three words between none of which is the value itself ("switch off notifications on
-    FreshCart" asks for off), and the verbs that name the other way (enable, disable).
+    "off" almost never appears by accident, so for a slot that is "on" any whole word "off" is the other way
+    ("Make sure order notifications are off"), as are disable and disabled. "on" is in almost every sentence
+    ("... on FreshCart"), so the whole-word slot check passes "Turn off order notifications on FreshCart" for
+    notifications=on; a slot that is "off" reads "on" as asked only after a toggling verb (`TURNED_ON`) or as a
+    state (`STATE_ON`), and counts enable and enabled.
     """
     for name, value in slots.items():
-        if value.casefold() not in TOGGLES:
-            continue
-        other, verbs = TOGGLES[value.casefold()]
-        toggled = rf"(?<!\w)(turn|switch|toggle|set)\s+(?:(?!{value}\b)\w+\s+){{0,3}}?{other}(?!\w)"
-        if re.search(toggled, instruction, re.IGNORECASE) or re.search(verbs, instruction, re.IGNORECASE):
+        patterns = OTHER_WAY.get(value.casefold(), ())
+        if any(re.search(pattern, instruction, re.IGNORECASE) for pattern in patterns):
             return name
     return None
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
 from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
+from trajforge.envs.apps.web import Request, Response, redirect
 from trajforge.envs.browser import BrowserEnv
 from trajforge.envs.kinds import BundledWebKind
 from trajforge.envs.pool import EnvPool
@@ -78,6 +80,21 @@ def test_a_toggle_asked_for_the_other_way_is_caught_though_its_value_is_a_word_o
     assert flipped_toggle("Order a Large Pad Thai", {"size": "Large", "dish": "Pad Thai"}) is None
 
 
+def test_a_toggle_stated_the_other_way_without_a_toggling_verb_is_caught() -> None:
+    on, off = {"notifications": "on"}, {"notifications": "off"}
+    assert flipped_toggle("Make sure order notifications are off on FreshCart", on) == "notifications"
+    assert flipped_toggle("Keep order notifications off on FreshCart", on) == "notifications"
+    assert flipped_toggle("Leave order notifications disabled on FreshCart", on) == "notifications"
+    assert flipped_toggle("Make sure order notifications are on in FreshCart", off) == "notifications"
+    assert flipped_toggle("Keep order notifications on for FreshCart", off) == "notifications"
+    assert flipped_toggle("Make sure order notifications are on.", off) == "notifications"
+    assert flipped_toggle("Make sure order notifications are enabled on FreshCart", off) == "notifications"
+    # "on" before its object is a preposition, not the state the checker wants.
+    assert flipped_toggle("Make sure order notifications on FreshCart are off", off) is None
+    assert flipped_toggle("Keep order notifications on FreshCart off", off) is None
+    assert flipped_toggle("Make sure order notifications are on on FreshCart", on) is None
+
+
 def test_model_synthesises_and_refines_with_the_slot_constraint(shop: BundledApp, gateway: Gateway) -> None:
     synthesiser = Synthesiser(gateway)
     tasks = sample_tasks(shop.spec, 2, seed=0, max_len=8).tasks
@@ -115,6 +132,15 @@ def test_stage_rows_name_model_and_template_versions(shop: BundledApp, gateway: 
 def test_model_instructions_without_a_gateway_are_a_config_error(shop: BundledApp) -> None:
     with pytest.raises(ValueError, match="query_gen.instructions"):
         generate_queries([BundledWebKind(shop)], run_id="r", settings=QueryGenSettings(instructions="model", validate_interface=False, atomic_per_app=0))
+
+
+def test_a_deep_search_app_with_no_deep_search_queries_asked_is_not_crawled(shop: BundledApp) -> None:
+    """`deep_search_queries: 0` turns deep search off: the app's page-graph queries need no live app, so no
+    Chromium (it was refused for want of one)."""
+    settings = QueryGenSettings(num_queries=3, validate_interface=False, atomic_per_app=0,
+                                deep_search_apps=[shop.name], deep_search_queries=0)
+    out = generate_queries([BundledWebKind(shop)], run_id="r", settings=settings, chromium=None)
+    assert [q.source for q in out.rows["queries"]] == ["page_graph"] * 3
 
 
 # --------------------------------------------------------------------------- validation
@@ -189,6 +215,109 @@ def test_a_page_entered_by_a_form_is_reached_by_driving_it(envs: list[BrowserEnv
     assert result.kept == [by_search]
     assert result.reasons == {gone.query_id: "page 'search_results' /: link 'Tax return 2024' not found"}
     assert result.driven["notes search_results"] == 2
+
+
+@pytest.mark.browser
+def test_a_hiccup_of_the_browser_is_tried_again_and_a_lasting_one_fails_the_crawl(
+        shop: BundledApp, chromium: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page that did not load in time says nothing about the app: judged, it would drop every query through
+    it for the night (the start page: all of them). It is opened once more, and a fault that stays fails the
+    crawl, to be run again, as the rollout reruns faults."""
+    import time
+
+    from trajforge.envs.browser import EnvFault
+
+    queries = shop_queries(shop, 5)
+    handle = type(shop).handle
+    slow = {"left": 2}  # the first GET / is the crawl's status check, which waits 10 s; the browser waits 2
+
+    def hanging(self: BundledApp, request: Request, state: dict[str, object]) -> Response:
+        if request.path == "/" and slow["left"] > 0:
+            slow["left"] -= 1
+            time.sleep(2.5)
+        return handle(self, request, state)
+
+    monkeypatch.setattr(type(shop), "handle", hanging)
+    with AppServer(shop) as srv, BrowserEnv(chromium=chromium, action_timeout_s=2) as env:
+        result = InterfaceValidator(shop.spec, srv.base_url, env).validate(queries)
+        assert result.reasons == {} and result.kept == queries
+        slow["left"] = 3  # the status check, then the visit and its second try
+        with pytest.raises(EnvFault, match="page 'home' /: .*Timeout") as fault:
+            InterfaceValidator(shop.spec, srv.base_url, env).validate(queries)
+    assert fault.value.kind == "timeout"
+
+
+@pytest.mark.browser
+def test_a_search_that_shows_no_results_drops_the_queries_that_pick_a_result(
+        shop: BundledApp, envs: list[BrowserEnv], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The result link is looked for on the results the search shows, not skipped because the dish's own url
+    opens: a search box that no longer finds anything drops exactly the queries that search."""
+    queries = shop_queries(shop, 40)
+    handle = type(shop).handle
+    monkeypatch.setattr(type(shop), "handle", lambda self, request, state: handle(
+        self, replace(request, query={}) if request.path == "/search" else request, state))
+    with AppServer(shop) as srv:
+        result = InterfaceValidator(shop.spec, srv.base_url, envs).validate(queries)
+    by_search = [q for q in queries if "search" in q.path]
+    assert by_search and set(result.reasons) == {q.query_id for q in by_search}
+    for q in by_search:
+        dish = json.loads(q.slots_json)["dish"]
+        assert result.reasons[q.query_id] == f"page 'search' /search: link '{dish}' not found"
+
+
+@pytest.mark.browser
+def test_a_link_after_a_form_is_followed_in_the_session_the_form_changed(
+        shop: BundledApp, server: AppServer, envs: list[BrowserEnv]) -> None:
+    """The header's "Cart (1)" link exists only once the dish is added, and the cart shows Checkout only then:
+    opening /cart in a fresh session would drop a path the replay walks."""
+    raw = shop.spec.model_dump(by_alias=True)
+    raw["pages"]["cart_again"] = {"url": "/cart", "description": "The cart, opened from the header.",
+                                  "purpose": "Review the cart."}
+    raw["transitions"] += [
+        {"from": "cart", "to": "cart_again", "actions": [{"op": "click", "role": "link", "name": "Cart (1)"}]},
+        {"from": "cart_again", "to": "checkout", "actions": [{"op": "click", "role": "button", "name": "Checkout"}]},
+    ]
+    spec = AppSpec.model_validate(raw)
+    added = query("Check out a Small Pad Thai", ["home", "dish", "cart", "cart_again", "checkout"],
+                  {"dish": "Pad Thai", "size": "Small"}, "added")
+    result = InterfaceValidator(spec, server.base_url, envs).validate([added])
+    assert result.reasons == {} and result.kept == [added]
+    assert result.driven["shop cart_again"] == 1
+
+
+@pytest.mark.browser
+def test_a_url_with_a_slot_that_redirects_a_fresh_session_is_reached_by_driving(
+        shop: BundledApp, envs: list[BrowserEnv], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A redirect shows that the page needs a session, not that its slot value is gone (only an HTTP error
+    does): a shop that sends a dish's page to the home page until the session has seen it, and Harbor ID's
+    profile under a url that names the user, behind its sign-in, keep their queries."""
+    queries = [q for q in shop_queries(shop, 12) if q.path[:2] == ["home", "dish"]]
+    handle = type(shop).handle
+
+    def gated(self: BundledApp, request: Request, state: dict[str, object]) -> Response:
+        if request.path == "/":
+            state["seen_home"] = True
+        elif request.path.startswith("/dish/") and not state.get("seen_home"):
+            return redirect("/")
+        return handle(self, request, state)
+
+    monkeypatch.setattr(type(shop), "handle", gated)
+    with AppServer(shop) as srv:
+        result = InterfaceValidator(shop.spec, srv.base_url, envs).validate(queries)
+    assert queries and result.reasons == {} and result.kept == queries
+    assert result.driven["shop dish"] == len(queries)
+
+    monkeypatch.setenv("TRAJFORGE_SECRET_ACCOUNT_PASSWORD", "harbor-Tide-8312")
+    account = load_app("account")
+    raw = account.spec.model_dump(by_alias=True)
+    raw["pages"]["profile"]["url"] = "/account/profile?user={username}"
+    spec = AppSpec.model_validate(raw)
+    profile = query("Change the display name", ["sign_in", "account", "profile", "profile_saved"],
+                    {"username": "alice", "password": "<secret>account_password</secret>",
+                     "display_name": "Ali Martin"}, "profile").model_copy(update={"app": "account"})
+    with AppServer(account) as srv:
+        result = InterfaceValidator(spec, srv.base_url, envs).validate([profile])
+    assert result.reasons == {} and result.kept == [profile]
 
 
 @pytest.mark.browser
