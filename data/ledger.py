@@ -1,7 +1,8 @@
 """The run ledger: which runs, stages and shards are done, kept in the catalog's database.
 
 A shard's output files are written first and its ledger row second, so a crash leaves
-at worst a file that the rerun overwrites; a stage's tables are committed with
+at worst files no ledger row names: the rerun writes its own (each attempt's file names
+are new) and `trajforge datasets expire` removes them; a stage's tables are committed with
 idempotent commit keys, so a crash between two tables' commits is finished by the rerun.
 The ledger lives beside the Iceberg catalog (SQLite by default, PostgreSQL in
 production) so that every worker sees the same state.
@@ -48,8 +49,10 @@ stages = sa.Table(
     sa.Column("stage", sa.String(40), primary_key=True),
     sa.Column("total_shards", sa.Integer, nullable=False),
     sa.Column("snapshots", sa.Text, doc="JSON: table -> snapshot id once committed."),
-    sa.Column("planned", sa.Text, doc="JSON: the unit keys a StageDef.once stage's first plan kept ({}: not kept)."),
-    sa.Column("inputs", sa.Text, doc="JSON: table -> the snapshot id the stage reads, from its first plan."),
+    sa.Column("planned", sa.Text, nullable=False,
+              doc="JSON: the unit keys a StageDef.once stage's first plan kept ({}: not kept)."),
+    sa.Column("inputs", sa.Text, nullable=False,
+              doc="JSON: table -> the snapshot id the stage reads, from its first plan."),
 )
 
 shards = sa.Table(
@@ -64,6 +67,8 @@ shards = sa.Table(
     sa.Column("stats", sa.Text, nullable=False, doc="JSON: name -> count"),
     sa.Column("models", sa.Text, nullable=False),
     sa.Column("prompts", sa.Text, nullable=False),
+    sa.Column("code_version", sa.Text, doc="The code that did the shard (NULL: recorded by older code)."),
+    sa.Column("inputs", sa.Text, doc="JSON: table -> the snapshot id the shard read (NULL: recorded by older code)."),
     sa.Column("done_at", sa.DateTime(timezone=True), nullable=False),
 )
 
@@ -106,6 +111,12 @@ class ShardRecord:
     stats: dict[str, int]
     models: dict[str, str]
     prompts: dict[str, str]
+    code_version: str | None = None
+    """The code that did the shard: a resume after a fix has shards of the old code and the new."""
+    inputs: dict[str, int] | None = None
+    """Table -> the snapshot id the shard read: an input that moved between a crash and its resume (a side
+    input read at its latest) gives the resume's shards another version than those done before the crash.
+    None for either: a shard that older code recorded."""
 
 
 def _now() -> datetime:
@@ -131,8 +142,9 @@ class Ledger:
         self._add_missing_columns()
 
     def _add_missing_columns(self) -> None:
-        """Columns added to the ledger after a database was created get added to it (as
-        empty JSON objects for the rows already there): a ledger outlives code versions."""
+        """Columns added to the ledger after a database was created get added to it: a ledger outlives code
+        versions. The rows already there get NULL in a nullable column (not recorded) and an empty JSON object in
+        a NOT NULL one."""
         inspector = sa.inspect(self.engine)
         for table in _meta.sorted_tables:
             present = {c["name"] for c in inspector.get_columns(table.name)}
@@ -140,10 +152,9 @@ class Ledger:
                 if column.name not in present:
                     if not isinstance(column.type, sa.Text):
                         raise RuntimeError(f"ledger column {table.name}.{column.name} needs a migration of its own")
+                    spec = "TEXT" if column.nullable else "TEXT NOT NULL DEFAULT '{}'"
                     with self.engine.begin() as conn:
-                        conn.execute(sa.text(
-                            f"ALTER TABLE {table.name} ADD COLUMN {column.name} TEXT NOT NULL DEFAULT '{{}}'"
-                        ))
+                        conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {spec}"))
 
     def open_run(self, flow: str, identity: str, *, fresh: bool = False) -> Run:
         """The unfinished run with this identity (resumed), or a new one.
@@ -290,8 +301,8 @@ class Ledger:
                 sa.select(stages.c.stage).where(stages.c.run_id == run_id, stages.c.stage == stage)
             ).first()
             if exists is None:
-                # '{}', not NULL, for a stage that keeps no plan: a ledger made before the column was added
-                # has it NOT NULL (`_add_missing_columns`).
+                # '{}', not NULL, for a stage that keeps no plan: the column is NOT NULL (and so in a ledger
+                # made before it was added: `_add_missing_columns`).
                 conn.execute(stages.insert().values(run_id=run_id, stage=stage, total_shards=total_shards,
                                                     planned=json.dumps(planned if planned is not None else {}),
                                                     inputs=json.dumps(inputs or {})))
@@ -404,6 +415,8 @@ class Ledger:
             stats=json.dumps(record.stats),
             models=json.dumps(record.models),
             prompts=json.dumps(record.prompts),
+            code_version=record.code_version,
+            inputs=json.dumps(record.inputs) if record.inputs is not None else None,
             done_at=_now(),
         )
         with self.engine.begin() as conn:
@@ -421,7 +434,8 @@ class Ledger:
         return [
             ShardRecord(
                 r.shard_id, json.loads(r.files), json.loads(r.kept), json.loads(r.dropped), json.loads(r.stats),
-                json.loads(r.models), json.loads(r.prompts),
+                json.loads(r.models), json.loads(r.prompts), r.code_version,
+                json.loads(r.inputs) if r.inputs is not None else None,
             )
             for r in rows
         ]

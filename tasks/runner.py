@@ -164,7 +164,8 @@ def run_shard(plan: StagePlan, shard: Shard, ws: Workspace) -> dict[str, int]:
     ws.ledger.record_shard(
         plan.run_id,
         stage.name,
-        ShardRecord(shard.shard_id, files, kept, dict(out.dropped), dict(out.stats), out.models, out.prompts),
+        ShardRecord(shard.shard_id, files, kept, dict(out.dropped), dict(out.stats), out.models, out.prompts,
+                    code_version(), plan.inputs),
     )
     return kept
 
@@ -201,9 +202,12 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
     kept: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     stats: Counter[str] = Counter(plan.input_stats)
-    # Every model and prompt version a shard used: a run resumed after a prompt's fix has rows of both.
+    # Every model, prompt and code version a shard used, and every input version it read: a run resumed after a
+    # fix, or after a side input moved, has rows of both.
     models: dict[str, set[str]] = {}
     prompts: dict[str, set[str]] = {}
+    codes: set[str] = set()
+    read: dict[str, Counter[int]] = {}
     files: dict[str, list[str]] = {t: [] for t in stage.writes}
     for r in records:
         kept.update(r.kept)
@@ -212,8 +216,14 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
         for used, seen in ((r.models, models), (r.prompts, prompts)):
             for name, value in used.items():
                 seen.setdefault(name, set()).add(value)
+        codes.add(r.code_version or "unrecorded")  # a shard that older code recorded
+        for table, version in (r.inputs or {}).items():
+            read.setdefault(table, Counter())[version] += 1
         for table, paths in r.files.items():
             files[table].extend(paths)
+    for table, versions in read.items():
+        if len(versions) > 1:
+            stats.update({f"shards that read {table}@{version}": n for version, n in versions.items()})
     ws.ledger.check_writing()  # a run that lost the warehouse (its lock's connection dropped) commits nothing
     snapshots: dict[str, int] = {}
     for table, mode in stage.writes.items():
@@ -221,9 +231,9 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             stage=stage.name,
             run_id=run_id,
             commit_key=commit_key(run_id, stage.name, table),
-            inputs=plan.inputs,
+            inputs=_inputs_read(plan.inputs, read),
             config_hash=plan.config_hash,
-            code_version=code_version(),
+            code_version=",".join(sorted(codes or {code_version()})),  # a stage with no shards: this commit's
             models={name: ",".join(sorted(values)) for name, values in sorted(models.items())},
             prompts={name: ",".join(sorted(values)) for name, values in sorted(prompts.items())},
             kept={table: kept.get(table, 0)},
@@ -236,6 +246,15 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
                              replaces=plan.replaces, withdrawn=plan.withdraw.values if plan.withdraw else frozenset())
     return snapshots
 
+
+def _inputs_read(planned: dict[str, int], read: dict[str, Counter[int]]) -> dict[str, int]:
+    """Table -> the one version the lineage names as the stage's input (its `inputs` holds one a table): the one
+    this plan reads, where a shard read it too or no shard recorded one; else the one most shards read (every
+    shard ran before the input moved, and this resume only commits). The stats count every version's shards
+    where they read several."""
+    return {table: planned[table] if not read.get(table) or planned.get(table) in read[table]
+            else read[table].most_common(1)[0][0]
+            for table in sorted(planned.keys() | read.keys())}
 
 
 def run_inline(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None = None) -> dict[str, int]:

@@ -191,6 +191,28 @@ def test_a_ledger_made_by_older_code_takes_the_stage_columns_added_since(tmp_pat
     assert ledger.unfinished_inputs() == {"steps": {7}}
 
 
+def test_a_run_crashed_under_older_code_resumes_on_a_ledger_that_records_each_shards_code_and_inputs(tmp_path,
+                                                                                                     run_id):
+    """The shards a run recorded before the ledger kept each one's code version and inputs: the upgrade adds the
+    columns, NULL for those rows, and the resume's lineage says their code version was not recorded rather than
+    give them its own."""
+    from trajforge.data.ledger import Ledger
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh", "namespace": "t"}))
+    p = plan(make_stage([], fail_on="app4"), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    with ws.ledger.engine.begin() as conn:  # the shards as code before those columns recorded them
+        for column in ("code_version", "inputs"):
+            conn.execute(sa.text(f"ALTER TABLE trajforge_shards DROP COLUMN {column}"))
+    Ledger(str(ws.ledger.engine.url)).engine.dispose()  # the upgraded code's first open of the ledger
+    assert {(r.code_version, r.inputs) for r in ws.ledger.shards_done(run_id, "demo")} == {(None, None)}
+    snapshots = run_all(make_stage([]), ws, run_id)
+    assert ws.catalog.lineage("queries", snapshots["queries"]).code_version == f"{code_version()},unrecorded"
+    ws.catalog.close()
+
+
 def test_a_resume_with_a_new_prompt_version_names_both_in_the_lineage(ws, run_id):
     """Shards done before a crash used prompt 1, the resume's prompt 2: the rows are of both, and the lineage had
     named one of them, whichever shard came last."""
@@ -211,6 +233,60 @@ def test_a_resume_with_a_new_prompt_version_names_both_in_the_lineage(ws, run_id
     version["test"] = "2"
     snapshots = run_all(versioned(make_stage(calls)), ws, run_id)
     assert ws.catalog.lineage("queries", snapshots["queries"]).prompts == {"test": "1,2"}
+
+
+def test_a_resume_after_a_code_fix_names_both_code_versions_in_the_lineage(ws, run_id, monkeypatch, request):
+    """A night crashed on a bug and the fix was installed before the rerun, which resumed it (a run's identity
+    leaves the code out): half the rows are the old release's, and the lineage named the fix's version only."""
+    import trajforge.llm.workspace as workspace
+
+    def installed(release: str) -> str:
+        monkeypatch.setattr(workspace, "version", lambda name: release)  # the installed package's metadata
+        workspace.code_version.cache_clear()
+        return workspace.code_version()
+
+    request.addfinalizer(workspace.code_version.cache_clear)
+    calls: list[str] = []
+    old = installed("1.0")
+    p = plan(make_stage(calls, fail_on="app4"), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    fixed = installed("1.1")
+    snapshots = run_all(make_stage(calls), ws, run_id)
+    assert ws.catalog.lineage("queries", snapshots["queries"]).code_version == f"{old},{fixed}"
+
+
+def side_input(stage: StageDef, verdicts: dict[str, int]) -> StageDef:
+    """The stage reading the version of a side input that `verdicts` names when it plans (`verdicts@latest`)."""
+    return dataclasses.replace(
+        stage, load=lambda ws, snap: Inputs(units=list(APPS), snapshots=dict(verdicts), fingerprint="f"))
+
+
+def test_a_resume_whose_side_input_moved_names_every_version_its_shards_read(ws, run_id):
+    """Verdicts moved between the crash and the resume: two shards read version 111, two read 222, and the
+    lineage named 222 alone, so nothing explained the first rows (nor kept 111 once the run finished)."""
+    verdicts = {"verdicts": 111}
+    p = plan(side_input(make_stage([], fail_on="app4"), verdicts), ws, run_id, None)
+    with pytest.raises(RuntimeError, match="worker died"):
+        for shard in p.pending:
+            run_shard(p, shard, ws)
+    verdicts["verdicts"] = 222
+    lineage = ws.catalog.lineage("queries", run_all(side_input(make_stage([]), verdicts), ws, run_id)["queries"])
+    assert lineage.inputs == {"verdicts": 222}
+    assert lineage.stats == {"shards that read verdicts@111": 2, "shards that read verdicts@222": 2}
+
+
+def test_a_resume_that_only_commits_names_the_input_versions_its_shards_read(ws, run_id):
+    """Every shard ran before the crash, on verdicts 111; the resume plans on 222 and only commits: the rows are
+    all of 111, which the lineage must name (it named 222, which no row came from)."""
+    verdicts = {"verdicts": 111}
+    p = plan(side_input(make_stage([]), verdicts), ws, run_id, None)
+    for shard in p.pending:
+        run_shard(p, shard, ws)
+    verdicts["verdicts"] = 222
+    lineage = ws.catalog.lineage("queries", run_all(side_input(make_stage([]), verdicts), ws, run_id)["queries"])
+    assert lineage.inputs == {"verdicts": 111} and lineage.stats == {}
 
 
 def _relabelled(out: StageOutput) -> StageOutput:
