@@ -10,7 +10,8 @@ accumulates, such as verdicts, orders its rows by their runs' versions: `Catalog
 removes the data files no remaining version references, the metadata files no remaining version
 needs (expired versions' manifest lists, manifests only they listed), and the blobs whose hash no
 remaining row mentions (a hash is found in any string column, JSON included, so a new table
-needs no registration here).
+needs no registration here; the rows of the catalog's other namespaces in this warehouse count too,
+as they share its blob store).
 
 The loop's files go too: the trainer's input folders (`<warehouse>/train/NAME`, exports of table versions
 the night's tags keep, so `trajforge export` makes them again) and a failed trainer's leftovers
@@ -34,15 +35,15 @@ Run under the warehouse's writer lock, so no run writes meanwhile. `dry_run` lis
 from __future__ import annotations
 
 import shutil
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from pyiceberg.catalog import Catalog as IcebergCatalog
 from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
@@ -52,6 +53,7 @@ from trajforge.data.catalog import (
     RUN_ID_KEY,
     Catalog,
     UnknownRef,
+    corrupt_file,
     data_folder,
     metadata_files,
     referenced_files,
@@ -106,6 +108,41 @@ def _hashes(files: Iterable[Path]) -> set[str]:
     return found
 
 
+def _mentioned(name: str, tbl: Table, versions: Collection[int], files: Iterable[Path]) -> set[str]:
+    """The hashes these files of these versions of a table mention; a file that cannot be read is named with its
+    table and a version that reads it (CorruptData), as `Catalog.load` names it."""
+    found: set[str] = set()
+    for path in sorted(files):
+        try:
+            found |= _hashes([path])
+        except (pa.ArrowException, OSError) as exc:
+            version = next(v for v in sorted(versions) if path in referenced_files(tbl, [v]))
+            raise corrupt_file(name, version, path, exc) from exc
+    return found
+
+
+def _other_namespaces(catalog: Catalog, parent: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The catalog's namespaces besides the catalog's own, nested ones included."""
+    for namespace in catalog.iceberg.list_namespaces(parent):
+        if namespace != IcebergCatalog.identifier_to_tuple(catalog.namespace):
+            yield namespace
+        yield from _other_namespaces(catalog, namespace)
+
+
+def _mentioned_elsewhere(catalog: Catalog) -> set[str]:
+    """The hashes every version of the other namespaces' tables in this warehouse mention. Two configurations
+    that share a warehouse folder with a namespace each share its blob store (`Workspace.open`), and expire
+    leaves their versions alone."""
+    found: set[str] = set()
+    for namespace in _other_namespaces(catalog):
+        for ident in catalog.iceberg.list_tables(namespace):
+            tbl = catalog.iceberg.load_table(ident)
+            if data_folder(tbl).is_relative_to(catalog.warehouse):
+                versions = [s.snapshot_id for s in tbl.metadata.snapshots]
+                found |= _mentioned(".".join(ident), tbl, versions, referenced_files(tbl, versions))
+    return found
+
+
 def _old(path: Path, cutoff: datetime) -> bool:
     """Last changed before the cutoff; a folder by the newest of it and everything in it."""
     paths = [path, *path.rglob("*")] if path.is_dir() else [path]
@@ -117,7 +154,7 @@ def _run_of(snapshot: Snapshot) -> str | None:
     return snapshot.summary[RUN_ID_KEY] if snapshot.summary is not None else None
 
 
-def _last_of_runs_with_rows(tbl: Table) -> set[int]:
+def _last_of_runs_with_rows(catalog: Catalog, name: str, tbl: Table) -> set[int]:
     """The last version of each run whose rows the table's current version holds. A table that accumulates
     (verdicts, step critiques) holds rows of runs whose versions are long expired, and `Catalog.newest` orders
     rows by their run's place in the table's history: a run missing from it ranked before every kept one, so a
@@ -125,7 +162,7 @@ def _last_of_runs_with_rows(tbl: Table) -> set[int]:
     current = tbl.current_snapshot()
     if current is None or "run_id" not in tbl.schema().column_names:
         return set()
-    runs = set(pl.scan_iceberg(tbl, snapshot_id=current.snapshot_id).select("run_id").unique().collect()["run_id"])
+    runs = set(catalog.load(name, current.snapshot_id, columns=["run_id"])["run_id"])
     last: dict[str, int] = {}
     for snapshot in sorted(tbl.metadata.snapshots, key=lambda s: s.sequence_number or 0):
         if (run := _run_of(snapshot)) in runs:
@@ -206,13 +243,16 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
                         keep[table].add(input_sid)
                         grown = True
     for name, tbl in tables.items():  # for the order of the rows' runs only: their inputs may go
-        keep[name] |= _last_of_runs_with_rows(tbl)
+        keep[name] |= _last_of_runs_with_rows(catalog, name, tbl)
+    # Read before any version expires: a file that cannot be read stops expire with nothing changed.
+    referenced = {name: referenced_files(tbl, keep[name]) for name, tbl in tables.items()}
+    mentioned = _hashes(pending) | _mentioned_elsewhere(catalog)
+    for name, tbl in tables.items():
+        mentioned |= _mentioned(name, tbl, keep[name], referenced[name])
     out = Expiry()
-    referenced: set[Path] = set()
     for name, tbl in tables.items():
         expired = [s.snapshot_id for s in tbl.metadata.snapshots if s.snapshot_id not in keep[name]]
-        live = referenced_files(tbl, keep[name])
-        referenced |= live
+        live = referenced[name]
         if expired:
             out.snapshots[name] = expired
             if not dry_run:
@@ -231,7 +271,6 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
         for path in sorted(data_folder(tbl).with_name("metadata").glob("*")):
             if path.is_file() and path not in needed and _old(path, cutoff):
                 out.metadata_files.append(path)
-    mentioned = _hashes(referenced | pending)
     for path in sorted(blobs.root.glob("??/*")):
         if path.is_file() and blobs.sha256_of(path) not in mentioned and _old(path, cutoff):
             out.blobs.append(path)

@@ -354,6 +354,52 @@ def test_an_append_that_withdraws_rows_replaces_them_in_one_version(catalog: Cat
         catalog.commit_files("steps", [], lineage("bad"), mode="overwrite", withdraw=withdraw)
 
 
+def test_a_withdrawal_leaves_a_file_written_before_its_column_as_it_is(catalog: Catalog) -> None:
+    """train_grounding kept `screenshot` only from a later code version: a file written before holds no row the
+    withdrawal can name, and stays in the version whole. Reading the column from it crashed the commit (an empty
+    read, then an IndexError naming no table or file), on every rerun."""
+    folder = catalog.data_dir("train_grounding")
+
+    def sample(sample_id: str, screenshot: str | None) -> dict[str, Any]:
+        return {"run_id": "run-1", "sample_id": sample_id, "source_id": sample_id, "messages_json": "[]",
+                "images": [], "tag": "grounding", "screenshot": screenshot}
+
+    old = to_arrow("train_grounding", [sample("old-1", None), sample("old-2", None)]).drop_columns(["screenshot"])
+    pq.write_table(old, folder / "old.parquet")
+    pq.write_table(to_arrow("train_grounding", [sample("s-1", "S"), sample("t-1", "T")]), folder / "new.parquet")
+    catalog.commit_files("train_grounding", [folder / "old.parquet"], lineage("before"))
+    catalog.commit_files("train_grounding", [folder / "new.parquet"], lineage("after"))
+    pq.write_table(to_arrow("train_grounding", [sample("s-2", "S")]), folder / "again.parquet")
+
+    catalog.commit_files("train_grounding", [folder / "again.parquet"], lineage("again", run_id="run-2"),
+                         withdraw=Withdrawal("screenshot", frozenset({"S"})))
+
+    assert sorted(catalog.load("train_grounding")["sample_id"]) == ["old-1", "old-2", "s-2", "t-1"]
+    assert catalog.history("train_grounding")[-1].removed_rows == 1
+
+
+def test_a_withdrawal_names_a_data_file_it_cannot_read(catalog: Catalog) -> None:
+    folder = catalog.data_dir("steps")
+    pq.write_table(to_arrow("steps", [step_row("e1-0", episode_id="e1")]), folder / "e1.parquet")
+    first = catalog.commit_files("steps", [folder / "e1.parquet"], lineage("night-1"))
+    (folder / "e1.parquet").write_bytes((folder / "e1.parquet").read_bytes()[:100])  # a copy cut short
+
+    with pytest.raises(CorruptData, match=rf"steps@{first}: data file {folder / 'e1.parquet'} cannot be read"):
+        catalog.commit_files("steps", [], lineage("rejudged"), withdraw=Withdrawal("episode_id", frozenset({"e1"})))
+    assert len(catalog.history("steps")) == 1
+
+
+def test_diff_names_a_data_file_it_cannot_read(catalog: Catalog) -> None:
+    """diff said only polars' "parquet: File out of specification" where load names the table, version and file."""
+    first = catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
+    second = catalog.commit_rows("queries", [query_row("q2")], lineage("qg-2"))
+    [path] = [p for p in catalog.data_dir("queries").glob("*.parquet") if p.name.startswith("qg-2")]
+    path.write_bytes(path.read_bytes()[:100])
+
+    with pytest.raises(CorruptData, match=rf"queries@{second}: data file {path} cannot be read"):
+        catalog.diff("queries", first, second)
+
+
 def test_row_error_leaves_table_untouched(catalog: Catalog) -> None:
     catalog.commit_rows("queries", [query_row("q1")], lineage("qg-1"))
     files_before = sorted(catalog.data_dir("queries").iterdir())

@@ -17,7 +17,7 @@ from test_catalog import lineage, query_row, step_row
 from test_pipeline import workspace
 
 from trajforge.data.blobs import BlobStore
-from trajforge.data.catalog import Catalog, UnknownRef
+from trajforge.data.catalog import Catalog, CorruptData, UnknownRef
 from trajforge.data.ledger import Ledger, ShardRecord
 from trajforge.data.retention import expire
 from trajforge.llm.cache import ResponseCache, responses
@@ -97,6 +97,51 @@ def test_expire_keeps_tagged_and_current_versions_and_removes_what_only_old_vers
 
     again = expire(fresh, blobs, ledger, timedelta(0), now=later)  # nothing left to do
     assert (again.snapshots, again.data_files, again.metadata_files, again.blobs) == ({}, [], [], [])
+
+
+def test_expire_keeps_the_screenshots_another_namespace_of_the_warehouse_mentions(tmp_path: Path) -> None:
+    """Two configurations share a warehouse folder, each with its own namespace, and so the one blob store beside
+    the catalog. Expire on one read only its own tables' hashes and removed the other's screenshots."""
+    ours = Catalog(tmp_path / "warehouse", namespace="ours")
+    theirs = Catalog(tmp_path / "warehouse", namespace="theirs")
+    blobs = BlobStore(ours.warehouse / "blobs")
+    their_shot, our_old, unused = (blobs.put(png(shade)).sha256 for shade in (10, 20, 30))
+    theirs.commit_files("steps", [shard(theirs, "t", [step_row("t1", screenshot_before=their_shot)])],
+                        lineage("t", stage="rollout", run_id="t"))
+    ours.commit_files("steps", [shard(ours, "o1", [step_row("o1", screenshot_before=our_old)])],
+                      lineage("o1", stage="rollout", run_id="o1"), mode="overwrite")
+    ours.commit_files("steps", [shard(ours, "o2", [step_row("o2")])], lineage("o2", stage="rollout", run_id="o2"),
+                      mode="overwrite")
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+
+    gone = expire(ours, blobs, Ledger(ours.uri), timedelta(0), now=later)
+
+    assert sorted(p.parent.name + p.name for p in gone.blobs) == sorted([our_old, unused])
+    assert their_shot in blobs
+    assert theirs.load("steps")["screenshot_before"].to_list() == [their_shot]
+
+
+def test_expire_names_the_table_and_file_of_a_data_file_it_cannot_read(tmp_path: Path) -> None:
+    """A kept version's file cut short: expire (a dry run too) said only polars' or Arrow's "File out of
+    specification", naming no table or file; load named them. The current version's file is read for its runs, a
+    tagged older one's for its screenshots."""
+    catalog = Catalog(tmp_path / "warehouse")
+    blobs, ledger = BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri)
+    tagged = catalog.commit_files("steps", [shard(catalog, "v1", [step_row("s1")])], lineage("v1", run_id="r1"),
+                                  mode="overwrite")
+    catalog.tag("steps", tagged, "keep-me")
+    current = catalog.commit_files("steps", [shard(catalog, "v2", [step_row("s2")])], lineage("v2", run_id="r2"),
+                                   mode="overwrite")
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    folder = catalog.data_dir("steps")
+    for version, name in ((tagged, "v1.parquet"), (current, "v2.parquet")):
+        good = (folder / name).read_bytes()
+        (folder / name).write_bytes(good[:100])
+        for dry_run in (True, False):
+            with pytest.raises(CorruptData, match=rf"steps@{version}: data file {folder / name} cannot be read"):
+                expire(catalog, blobs, ledger, timedelta(0), dry_run=dry_run, now=later)
+        (folder / name).write_bytes(good)
+    assert len(catalog.history("steps")) == 2  # nothing expired before the error
 
 
 def test_a_version_a_kept_version_was_made_from_is_kept(tmp_path: Path) -> None:
