@@ -140,6 +140,9 @@ class Lineage(BaseModel):
     run_id: str
     commit_key: str = Field(min_length=1, description="Idempotency key: one commit per key per table.")
     inputs: dict[str, int] = Field(default_factory=dict, description="table -> snapshot id read.")
+    inputs_read: dict[str, list[int]] = Field(
+        default_factory=dict, description="table -> every snapshot id the stage's shards read, for a table they "
+        "read in several versions: an input that moved between a crash and the resume (`inputs` names one).")
     config_hash: str
     code_version: str
     models: dict[str, str] = Field(default_factory=dict, description="role -> model id.")

@@ -238,7 +238,8 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
                 if lineage is None:
                     continue
                 beside = [(t, v) for t, v in committed_with.get((lineage.run_id, lineage.stage), []) if t != name]
-                for table, input_sid in [*lineage.inputs.items(), *beside]:
+                read = [(t, v) for t, versions in lineage.inputs_read.items() for v in versions]
+                for table, input_sid in [*lineage.inputs.items(), *read, *beside]:
                     if table in keep and input_sid not in keep[table] and tables[table].snapshot_by_id(input_sid):
                         keep[table].add(input_sid)
                         grown = True

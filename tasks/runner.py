@@ -221,9 +221,6 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             read.setdefault(table, Counter())[version] += 1
         for table, paths in r.files.items():
             files[table].extend(paths)
-    for table, versions in read.items():
-        if len(versions) > 1:
-            stats.update({f"shards that read {table}@{version}": n for version, n in versions.items()})
     ws.ledger.check_writing()  # a run that lost the warehouse (its lock's connection dropped) commits nothing
     snapshots: dict[str, int] = {}
     for table, mode in stage.writes.items():
@@ -232,6 +229,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
             run_id=run_id,
             commit_key=commit_key(run_id, stage.name, table),
             inputs=_inputs_read(plan.inputs, read),
+            inputs_read={table: sorted(versions) for table, versions in read.items() if len(versions) > 1},
             config_hash=plan.config_hash,
             code_version=",".join(sorted(codes or {code_version()})),  # a stage with no shards: this commit's
             models={name: ",".join(sorted(values)) for name, values in sorted(models.items())},
@@ -250,7 +248,7 @@ def commit(plan: StagePlan, ws: Workspace) -> dict[str, int]:
 def _inputs_read(planned: dict[str, int], read: dict[str, Counter[int]]) -> dict[str, int]:
     """Table -> the one version the lineage names as the stage's input (its `inputs` holds one a table): the one
     this plan reads, where a shard read it too or no shard recorded one; else the one most shards read (every
-    shard ran before the input moved, and this resume only commits). The stats count every version's shards
+    shard ran before the input moved, and this resume only commits). `Lineage.inputs_read` names every version
     where they read several."""
     return {table: planned[table] if not read.get(table) or planned.get(table) in read[table]
             else read[table].most_common(1)[0][0]

@@ -158,6 +158,22 @@ def test_a_version_a_kept_version_was_made_from_is_kept(tmp_path: Path) -> None:
     assert Catalog(tmp_path / "warehouse").load("queries", first)["query_id"].to_list() == ["q1"]
 
 
+def test_every_version_a_resumed_stages_shards_read_is_kept(tmp_path: Path) -> None:
+    """queries moved between a crash and the resume: half the shards read `first`, half `second`; the lineage's
+    `inputs` names one, and `first` went with the run's end though rows came from it."""
+    catalog = Catalog(tmp_path / "warehouse")
+    first = catalog.commit_rows("queries", [query_row("q1")], lineage("q1"))
+    second = catalog.commit_rows("queries", [query_row("q2")], lineage("q2"))
+    catalog.commit_files("steps", [shard(catalog, "s", [step_row("s1")])],
+                         lineage("s", stage="rollout", inputs={"queries": second},
+                                 inputs_read={"queries": [first, second]}))
+    catalog.commit_rows("queries", [query_row("q3")], lineage("q3"))
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)
+    gone = expire(catalog, BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri), timedelta(0), now=later)
+    assert gone.snapshots == {}
+    assert Catalog(tmp_path / "warehouse").load("queries", first)["query_id"].to_list() == ["q1"]
+
+
 def test_the_versions_a_kept_versions_stage_run_committed_beside_it_are_kept(tmp_path: Path) -> None:
     """A hand-tagged steps version of one stage run keeps the queries version that run committed beside it: a
     later stage finds it by its commit key (`Catalog.written_with`), as critics find a rollout's steps."""
