@@ -52,13 +52,14 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
@@ -130,6 +131,17 @@ def _fillable(field: str, template: str | None, names: tuple[str, ...]) -> None:
                          + ", ".join(f"{{{n}}}" for n in names) + " (a literal brace is written twice: {{ or }})")
 
 
+def _splittable(field: str, command: str | None) -> None:
+    """Refuse a command its start would fail on (an unclosed quote), while the spec is read, not at the first
+    episode: it is split as a shell would, before its placeholders are filled."""
+    if command is None:
+        return
+    try:
+        shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(f"{field} {command!r}: {exc}") from None
+
+
 class Serve(_Strict):
     """Where the app is: a running app's `base_url`, or a `command` that starts it and the `url` it serves."""
 
@@ -146,6 +158,7 @@ class Serve(_Strict):
         if self.command is not None and self.url is None:
             raise ValueError("command needs url: where the started app answers, e.g. http://127.0.0.1:{port}")
         _fillable("command", self.command, SERVE_FILLS)
+        _splittable("command", self.command)
         _fillable("url", self.url, SERVE_FILLS)
         return self
 
@@ -162,6 +175,7 @@ class ResetBy(_Strict):
         if (self.url is None) == (self.command is None):
             raise ValueError("give either url or command (or write `reset: context` for a fresh browser context only)")
         _fillable("command", self.command, RESET_FILLS)
+        _splittable("command", self.command)
         return self
 
 
@@ -212,10 +226,6 @@ class HttpCheck(_Strict):
         tests = [t for t in ("equals", "contains", "exists") if getattr(self, t) is not None]
         if len(tests) != 1:
             raise ValueError("give exactly one of equals, contains, exists")
-        try:
-            jmespath.compile(self.at)
-        except JMESPathError as exc:
-            raise ValueError(f"at: not a JMESPath expression ({exc})") from None
         return self
 
 
@@ -275,31 +285,119 @@ class AppDirFile(_Strict):
     """What spec.yaml adds to the page graph."""
 
     serve: Serve
-    reset: Literal["context"] | ResetBy = "context"
+    # One branch by the input's type: pydantic reported a mapping's mistakes with "Input should be 'context'" too.
+    reset: Annotated[Union[Annotated[Literal["context"], Tag("context")], Annotated[ResetBy, Tag("by")]],
+                     Discriminator(lambda raw: "context" if isinstance(raw, str) else "by")] = "context"
     state: dict[str, StateRequest] = Field(default_factory=dict)
     checks: dict[str, Check] = Field(default_factory=dict)
 
 
+def _located(check: Check, where: str) -> Iterator[tuple[str, Check]]:
+    """Each predicate of a check, with where it is in spec.yaml (`checks.NAME.all[0].not`)."""
+    yield where, check
+    if isinstance(check, AllOf | AnyOf):
+        key = "all" if isinstance(check, AllOf) else "any"
+        for i, child in enumerate(getattr(check, key)):
+            yield from _located(child, f"{where}.{key}[{i}]")
+    elif isinstance(check, NotOf):
+        yield from _located(check.not_, f"{where}.not")
+
+
 def _walk(check: Check) -> Iterator[Check]:
-    yield check
-    for child in (check.all if isinstance(check, AllOf) else check.any if isinstance(check, AnyOf)
-                  else [check.not_] if isinstance(check, NotOf) else []):
-        yield from _walk(child)
+    return (c for _, c in _located(check, ""))
 
 
-def _templates(check: Check) -> list[str]:
-    """The texts of a check that may hold {slot}."""
-    out: list[str] = []
-    for c in _walk(check):
-        if isinstance(c, UrlCheck):
-            out.append(c.url)
-        elif isinstance(c, ElementCheck):
-            out += [v for v in (c.element.role, c.element.name, c.element.name_contains, c.element.value) if v]
-        elif isinstance(c, DomCheck):
-            out += [v for v in (c.dom.text_contains, c.dom.value) if v]
-        elif isinstance(c, HttpCheck):
-            out += [c.at, *([c.contains] if c.contains else []), *([c.equals] if isinstance(c.equals, str) else [])]
-    return out
+def _texts(check: Check) -> list[tuple[str, str]]:
+    """(field, text) of the texts of one predicate (not its parts') that may hold {slot}."""
+    if isinstance(check, UrlCheck):
+        return [("url", check.url)]
+    if isinstance(check, ElementCheck):
+        return [(f"element.{f}", v) for f in ("role", "name", "name_contains", "value")
+                if (v := getattr(check.element, f))]
+    if isinstance(check, DomCheck):
+        return [(f"dom.{f}", v) for f in ("text_contains", "value") if (v := getattr(check.dom, f))]
+    if isinstance(check, HttpCheck):
+        return [("at", check.at), *([("contains", check.contains)] if check.contains else []),
+                *([("equals", check.equals)] if isinstance(check.equals, str) else [])]
+    return []
+
+
+SLOT_STAND_IN = "x"
+"""What fills each {slot} of a check read at load time: the check must parse as a regular expression or a
+JMESPath once filled, as it is filled at the end of an episode (a slot value is escaped there, so any one does)."""
+
+
+def _template_problem(field: str, template: str) -> str | None:
+    """Why a check's text cannot take its slot values, or None: a lone brace, or a brace pair that Python's format
+    reads as its own (`{t: notes}`, a JMESPath hash written with single braces)."""
+    try:
+        template.format_map(_stand_ins(template))
+    except (ValueError, LookupError, AttributeError) as exc:
+        return f"{field}: {exc} in {template!r} (a literal brace is written twice: {{{{ or }}}})"
+    return None
+
+
+def _selector_problem(selector: str) -> str | None:
+    """Why a CSS selector is none, as far as its brackets and quotes tell, or None. The browser parses it only at
+    the end of each episode, where a bad one failed every episode; this scan catches the usual slips."""
+    closers = {"[": "]", "(": ")"}
+    opened: list[str] = []
+    quote: str | None = None
+    chars = iter(selector)
+    for ch in chars:
+        if ch == "\\":
+            next(chars, None)  # an escaped character is a plain one
+        elif quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in closers:
+            opened.append(ch)
+        elif ch in ")]" and (not opened or closers[opened.pop()] != ch):
+            return f"{ch!r} closes nothing"
+        elif ch in "{}":
+            return f"{ch!r} is no part of a selector"
+    if quote:
+        return f"the quote {quote} is not closed"
+    if opened:
+        return f"{opened[-1]!r} is not closed"
+    return "it is empty" if not selector.strip() else None
+
+
+def _check_problems(checks: dict[str, Check]) -> list[str]:
+    """The mistakes of every check, used by a goal or not, that would otherwise surface only when an episode is
+    judged (a critic crashing, every episode an env fault), naming no file or field."""
+    problems = []
+    for name, check in checks.items():
+        for where, c in _located(check, f"checks.{name}"):
+            texts = [(f"{where}.{f}", t) for f, t in _texts(c)]
+            if bad := [p for f, t in texts if (p := _template_problem(f, t))]:
+                problems += bad
+                continue
+            if isinstance(c, UrlCheck):
+                try:
+                    re.compile(_fill(c.url, _stand_ins(c.url), re.escape))
+                except re.error as exc:
+                    problems.append(f"{where}.url: not a regular expression once its slots are filled ({exc}) in "
+                                    f"{c.url!r}")
+            elif isinstance(c, HttpCheck):
+                try:
+                    jmespath.compile(_fill(c.at, _stand_ins(c.at), _jmespath_literal))
+                except JMESPathError as exc:
+                    why = str(exc).splitlines()[0]  # the rest draws the expression with a caret under the column
+                    problems.append(f"{where}.at: not a JMESPath expression once its slots are filled ({why}) in "
+                                    f"{c.at!r}")
+            elif isinstance(c, DomCheck):
+                try:
+                    slots = placeholders(c.dom.selector)
+                except ValueError:
+                    slots = set()  # a lone brace: the scan below names it
+                if slots:
+                    problems.append(f"{where}.dom.selector {c.dom.selector!r} holds a {{slot}}; the DOM is read "
+                                    "before the check knows its slots: match the slot with text_contains or value")
+                elif why := _selector_problem(c.dom.selector):
+                    problems.append(f"{where}.dom.selector: {c.dom.selector!r} is no CSS selector: {why}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -354,12 +452,27 @@ def _functions(folder: Path, checks: dict[str, Check]) -> tuple[dict[str, CheckF
     return found, [f"checks.{names[n]}: python {n!r} is not a function in {file}" for n in names if n not in found]
 
 
+def _field_path(loc: tuple[int | str, ...], data: Any, missing: bool) -> str:
+    """An error's location as the keys of the file: pydantic adds a union's branch to it (a check's kind again,
+    `function-after[_one_way(), ResetBy]`), which is no key there and read as one."""
+    path: list[str] = []
+    for i, part in enumerate(loc):
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+        elif not (missing and i == len(loc) - 1):  # a required field is in no file that lacks it
+            continue
+        path.append(str(part))
+    return ".".join(path)
+
+
 def _validated(model: type[M], data: dict[str, Any], problems: list[str]) -> M | None:
     """`data` as `model`, or None with its problems added (field path and message)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems += [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        problems += [f"{_field_path(e['loc'], data, e['type'] == 'missing')}: {e['msg']}" for e in exc.errors()]
         return None
 
 
@@ -382,6 +495,7 @@ def load_app_dir(path: Path) -> AppDir:
     extras = _validated(AppDirFile, extra, problems)
     if extras is not None:  # the built-in checks, where spec.yaml has none of their name
         extras = extras.model_copy(update={"checks": {**BUILT_IN_CHECKS, **extras.checks}})
+        problems += _check_problems(extras.checks)
     if spec is not None:
         problems += spec_problems(spec)
     functions: dict[str, CheckFunction] = {}
@@ -405,18 +519,20 @@ def _cross_problems(spec: AppSpec, extras: AppDirFile) -> list[str]:
             problems.append(f"pages.{page_id}.goal.checker: no check {page.goal.checker!r} in checks; "
                             f"known: {', '.join(sorted(extras.checks))}")
             continue
-        for template in _templates(extras.checks[page.goal.checker]):
-            for slot in placeholders(template) - set(page.goal.params):
-                problems.append(f"checks.{page.goal.checker}: {{{slot}}} is not one of pages.{page_id}.goal.params "
-                                f"({', '.join(sorted(page.goal.params)) or 'none'})")
+        for c in _walk(extras.checks[page.goal.checker]):
+            for _, template in _texts(c):
+                try:
+                    slots = placeholders(template)
+                except ValueError:
+                    continue  # named by _check_problems
+                for slot in slots - set(page.goal.params):
+                    problems.append(f"checks.{page.goal.checker}: {{{slot}}} is not one of pages.{page_id}.goal."
+                                    f"params ({', '.join(sorted(page.goal.params)) or 'none'})")
     for name, check in extras.checks.items():
         for c in _walk(check):
             if isinstance(c, HttpCheck) and c.http not in extras.state:
                 problems.append(f"checks.{name}: http {c.http!r} is not a state request; known: "
                                 f"{', '.join(sorted(extras.state)) or 'none (add one under state:)'}")
-            if isinstance(c, DomCheck) and placeholders(c.dom.selector):
-                problems.append(f"checks.{name}: dom.selector {c.dom.selector!r} holds a {{slot}}; the DOM is read "
-                                "before the check knows its slots: match the slot with text_contains or value")
     return problems
 
 
@@ -428,9 +544,14 @@ def _fill(template: str, params: dict[str, str], escape: Any = None) -> str:
     return template.format_map(values)
 
 
+def _stand_ins(template: str) -> dict[str, str]:
+    return dict.fromkeys(placeholders(template), SLOT_STAND_IN)
+
+
 def _jmespath_literal(value: str) -> str:
-    """A slot value inside a JMESPath raw string literal ('...')."""
-    return value.replace("\\", "\\\\").replace("'", "\\'")
+    """A slot value inside a JMESPath raw string literal ('...'): jmespath 1.1 unescapes only \\' there, so a
+    backslash stays as it is."""
+    return value.replace("'", "\\'")
 
 
 def _element(query: ElementQuery, params: dict[str, str], nodes: list[AXNode]) -> tuple[bool, str]:
@@ -668,11 +789,34 @@ def running(app: AppDir) -> Iterator[str]:
             why = answers(url, 1.0)
         yield url
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 15)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
-                process.wait()
+        _stop(process)
         log.close()
+
+
+STOP_GRACE_S = 10.0
+"""How long the app's processes have after SIGTERM before SIGKILL."""
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    """End the command's whole process group, whether the command itself has exited or not: a wrapper
+    (`sh -c 'server &'`) may have exited while the server it started holds the port. What is left after
+    STOP_GRACE_S (a process that ignores SIGTERM) is killed, and waited for: the port is free once this returns."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        if _group_ended(process, STOP_GRACE_S):
+            break
+    process.wait()
+
+
+def _group_ended(process: subprocess.Popen[str], timeout_s: float) -> bool:
+    """Whether the process group led by `process` is gone within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        process.poll()  # the command, once reaped, no longer counts as the group's
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False

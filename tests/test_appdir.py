@@ -3,11 +3,15 @@ final state, and the bundled notes app expressed as `examples/apps/jotter` givin
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
@@ -26,10 +30,12 @@ from trajforge.envs.axtree import AXNode, render
 from trajforge.envs.kinds import BundledWebKind, configured_kinds, kind_for, use_app_dirs
 from trajforge.envs.spec import SpecError
 from trajforge.llm.workspace import Workspace
+from trajforge.query_gen.stage import STAGE as QUERY_GEN
 from trajforge.query_gen.stage import generate_queries
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import ConfigError, QueryGenSettings, RolloutSettings, Settings
 from trajforge.schemas.records import Episode, Query
+from trajforge.tasks.runner import commit, plan, run_shard
 
 JOTTER = Path(__file__).parents[1] / "examples" / "apps" / "jotter"
 DATASETTE = Path(__file__).parents[1] / "examples" / "apps" / "datasette"
@@ -55,7 +61,8 @@ STATE = {
                        AXNode(1, "checkbox", "Work", states=("checked",)), AXNode(1, "textbox", "Title",
                                                                                  value="Rock 'n' roll"))),
     "http": {"session": {"json": {"notes": [{"title": "Rock 'n' roll", "pinned": True, "tags": ["Work"]},
-                                            {"title": "Garden plans", "pinned": False, "tags": []}]}},
+                                            {"title": "Garden plans", "pinned": False, "tags": []},
+                                            {"title": r"C:\new", "pinned": True, "tags": []}]}},
              "broken": {"error": "GET /api/broken answered 500"}},
     "dom": {"h1": [{"text": "Rock 'n' roll", "value": None, "checked": None, "selected": None}]},
 }
@@ -76,6 +83,11 @@ STATE = {
      True),
     ({"http": "session", "at": "notes[?title=='{title}'] | [0].pinned", "equals": True}, {"title": "Garden plans"},
      False),
+    # A backslash in a slot value is matched as itself (JMESPath's raw strings unescape only \').
+    ({"http": "session", "at": "notes[?title=='{title}'] | [0].pinned", "equals": True}, {"title": r"C:\new"}, True),
+    # A literal brace written twice, as README says: a JMESPath multiselect hash.
+    ({"http": "session", "at": "{{t: notes}}.t[?title=='{title}'] | [0].pinned", "equals": True},
+     {"title": "Rock 'n' roll"}, True),
     ({"http": "session", "at": "notes[].tags[]", "contains": "{tag}"}, {"tag": "Work"}, True),
     ({"http": "session", "at": "notes[?title=='Nope']", "exists": True}, {}, False),
     ({"http": "broken", "at": "@", "exists": True}, {}, False),
@@ -145,7 +157,30 @@ def test_quills_text_check_judges_the_document_open_at_the_start_as_writer_does(
      "checks.note_created: a check is one of: url, element, dom, http, python, all, any, not"),
     ({"checks": {"note_created": {"python": "created"}, "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
      "checks.note_created: python 'created' needs"),
-    ({"reset": "sometimes"}, "reset"),
+    # No union branch of pydantic's (`reset.literal['context']`, `reset.function-after[...]`) in the field's name.
+    ({"reset": "sometimes"}, "reset: Input should be 'context'"),
+    ({"reset": {"url": "/api/reset", "command": "{python} reset.py"}},
+     "reset: Value error, give either url or command"),
+    ({"checks": {"note_created": {"all": [{"url": "x"}, {"not": {"dom": {"selector": "h1", "bogus": 1}}}]},
+                 "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
+     "checks.note_created.all.1.not.dom.bogus: Extra inputs are not permitted"),
+    # Checks that load but failed at the end of an episode, or in the critics, naming no file or field.
+    ({"checks": {"note_created": {"url": "x"}, "note_pinned": {"url": "/note/{note}/a{"},
+                 "note_tagged": {"url": "x"}}},
+     "checks.note_pinned.url: Single '{' encountered in format string in '/note/{note}/a{' (a literal brace is "
+     "written twice"),
+    ({"checks": {"note_created": {"url": "x"}, "note_pinned": {"url": r"/note/(\d+"}, "note_tagged": {"url": "x"}}},
+     "checks.note_pinned.url: not a regular expression once its slots are filled (missing ), unterminated"),
+    ({"checks": {"note_created": {"all": [{"url": "x"}, {"not": {"dom": {"selector": "div[[["}}}]},
+                 "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"}}},
+     "checks.note_created.all[1].not.dom.selector: 'div[[[' is no CSS selector: '[' is not closed"),
+    ({"checks": {"note_created": {"url": "x"}, "note_pinned": {"url": "x"}, "note_tagged": {"url": "x"},
+                 "surface_opened": {"element": {"role": "dialog", "name": "{surface"}}}},
+     "checks.surface_opened.element.name: expected '}' before end of string in '{surface'"),
+    ({"serve": {"command": "{python} -m http.server {port} --bind '127.0.0.1", "url": "http://127.0.0.1:{port}"}},
+     "serve: Value error, command \"{python} -m http.server {port} --bind '127.0.0.1\": No closing quotation"),
+    ({"reset": {"command": "{python} reset.py 'all"}},
+     "reset: Value error, command \"{python} reset.py 'all\": No closing quotation"),
     # A command's placeholders are filled while the night runs: one that cannot be is refused before it starts.
     ({"serve": {"command": "{python} -m http.server {port} --bind {host}", "url": "http://127.0.0.1:{port}"}},
      "serve: Value error, command '{python} -m http.server {port} --bind {host}': {host} is filled by nothing"),
@@ -200,6 +235,59 @@ def test_an_app_that_does_not_answer_or_exits_is_named(tmp_path: Path) -> None:
     with pytest.raises(AppDirError, match=r"exited 3 before answering at http://127.0.0.1:\d+: no database"):
         with running(load_app_dir(_app_dir(tmp_path, serve=crash))):
             pass
+
+
+def test_a_check_is_parsed_as_its_slots_fill_it(tmp_path: Path) -> None:
+    """A literal brace written twice is a brace once the slots are filled: the check loads and holds."""
+    checks = {"note_created": {"url": r"/note/\d{{1,3}}/{title}"}, "note_tagged": {"url": "x"},
+              "note_pinned": {"http": "session", "at": "{{t: notes}}.t[?title=='{note}'] | [0].pinned",
+                              "equals": True}}
+    app = load_app_dir(_app_dir(tmp_path, checks=checks))
+    state = {"url": "http://127.0.0.1:9/note/12/Garden", "http": {"session": {"json": {"notes": [
+        {"title": "Garden plans", "pinned": True}]}}}}
+    assert app.check("note_created", {"title": "Garden"}, state)[0]
+    assert app.check("note_pinned", {"note": "Garden plans"}, state)[0]
+
+
+def _live(pgid: int) -> list[int]:
+    """The processes of a process group that still run (a zombie has exited: its parent has yet to read it)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # it ended while we looked
+            continue
+        if int(group) == pgid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+SERVER = """\
+import http.server, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a server slow to stop: only SIGKILL ends it
+http.server.test(http.server.SimpleHTTPRequestHandler, port=int(sys.argv[1]), bind="127.0.0.1")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("wrapper", "error"), [
+    ("echo $$ > group; {python} server.py {port} & sleep 2", None),  # the server runs on after its wrapper exits
+    ("echo $$ > group; (sleep 3; {python} server.py {port}) & exit 0", "exited 0 before answering"),
+])
+def test_an_app_started_by_a_wrapper_is_stopped_whole(tmp_path: Path, wrapper: str, error: str | None) -> None:
+    """Every process the serve command started ends with the block, or on its error: a server left behind held
+    the port, and the next night's app answered with the last one's state."""
+    (tmp_path / "server.py").write_text(SERVER)
+    app = load_app_dir(_app_dir(tmp_path, serve={"command": f"sh -c '{wrapper}'", "url": "http://127.0.0.1:{port}",
+                                                 "ready_timeout_s": 30}))
+    try:
+        with pytest.raises(AppDirError, match=error) if error else contextlib.nullcontext():
+            with running(app):
+                time.sleep(3)  # the wrapper has exited; its server serves on
+        assert _live(int((tmp_path / "group").read_text())) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int((tmp_path / "group").read_text()), signal.SIGKILL)
 
 
 @pytest.mark.browser
@@ -309,6 +397,30 @@ def test_deep_search_on_an_app_directory_finds_its_dialogs_and_judges_them_on_th
             q.instruction, other.instruction)
 
 
+def test_a_spec_edited_between_a_crash_and_the_resume_is_done_again(tmp_path: Path) -> None:
+    """The query_gen shard of an app ran, then the run stopped before its commit; the user edits the app's spec
+    and reruns. The resume writes the edited spec's queries, which its lineage's config hash names, not the rows
+    the shard made from the old spec (the shard's id was the app's name alone)."""
+    shutil.copytree(JOTTER, tmp_path / "jotter")
+    spec = tmp_path / "jotter" / "spec.yaml"  # a name of its own: another test made `jotter` another copy's
+    spec.write_text(spec.read_text().replace("\napp: jotter\n", "\napp: jotter_resumed\n"))
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}, query_gen={
+        "apps": [], "app_dirs": [tmp_path / "jotter"], "num_queries": 30, "validate_interface": False,
+        "atomic_per_app": 0}))
+    first = plan(QUERY_GEN, ws, "r", None)
+    for shard in first.pending:
+        run_shard(first, shard, ws)  # and the process dies before the commit
+    spec.write_text(spec.read_text().replace('instruction: Pin the note "{note}"',
+                                             'instruction: Pin "{note}" to the top'))
+    resumed = plan(QUERY_GEN, ws, "r", None)
+    assert resumed.config_hash != first.config_hash
+    for shard in resumed.pending:
+        run_shard(resumed, shard, ws)
+    pinned = ws.catalog.load("queries", commit(resumed, ws)["queries"]).filter(pl.col("checker") == "note_pinned")
+    assert pinned.height and all(i.endswith('" to the top') for i in pinned["instruction"]), pinned["instruction"]
+    ws.catalog.close()
+
+
 def test_deep_search_needs_an_app_that_is_served() -> None:
     with pytest.raises(ConfigError, match="deep_search_apps: quill is neither in query_gen.apps nor an app of "):
         configured_kinds(Settings(query_gen={"apps": ["notes"], "deep_search_apps": ["quill"]}))
@@ -353,6 +465,67 @@ def test_apps_check_names_a_missing_element_and_a_check_that_never_holds(tmp_pat
     assert "button 'Pin it' not found" in out
     assert "check 'note_tagged' does not hold after the reference path: session at 'notes[?name==" in out
     assert "Traceback" not in proc.stderr
+
+
+WIDE_APP = """\
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+PAGES = {
+    "/": "<style>@media (max-width: 600px) { a { display: none } }</style><h1>Home</h1><a href=/settings>Settings</a>",
+    "/settings": "<h1>Settings</h1>",
+}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = PAGES.get(self.path)
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", "text/html")
+        self.end_headers()
+        self.wfile.write(f"<meta name=viewport content='width=device-width'>{body or ''}".encode())
+
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+WIDE_SPEC = """\
+app: wide
+title: Wide
+serve: {command: "{python} app.py {port}", url: "http://127.0.0.1:{port}"}
+checks:
+  settings_open: {url: /settings}
+start: home
+pages:
+  home: {url: /, description: The home page., purpose: Open the settings.}
+  settings:
+    url: /settings
+    description: The settings page.
+    purpose: Read the settings.
+    goal: {checker: settings_open, params: {}, instruction: Open the settings}
+transitions:
+  - {from: home, to: settings, actions: [{op: click, role: link, name: Settings}]}
+"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_apps_check_validates_in_the_rollout_viewport(tmp_path: Path, trajforge_cli: str) -> None:
+    """An app whose Settings link shows only on a wide screen: with `rollout.viewport: desktop` the check validates
+    and replays its task in desktop, as query generation and the rollouts would (it once validated in mobile and
+    reported the link missing)."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "app.py").write_text(WIDE_APP)
+    (tmp_path / "app" / "spec.yaml").write_text(WIDE_SPEC)
+    (tmp_path / "trajforge.yaml").write_text("rollout:\n  viewport: desktop\n")
+    proc = subprocess.run([trajforge_cli, "apps", "check", str(tmp_path / "app"), "--queries", "1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "wide: 1 tasks validated of those sampled, 1 replayed to a check that holds" in proc.stdout
+    (tmp_path / "trajforge.yaml").write_text("rollout:\n  viewport: mobile\n")  # the link is hidden there
+    proc = subprocess.run([trajforge_cli, "apps", "check", str(tmp_path / "app"), "--queries", "1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1 and "link 'Settings' not found" in " ".join(proc.stdout.split()), proc.stdout
 
 
 @pytest.mark.browser
