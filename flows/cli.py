@@ -920,6 +920,7 @@ def apps_check(
     `rollout.viewport`, as a night's query generation and rollouts see the app."""
     from trajforge.data.blobs import BlobStore
     from trajforge.envs.appdir import AppDirError
+    from trajforge.envs.browser import EnvFault
     from trajforge.envs.kinds import use_app_dirs
     from trajforge.envs.spec import SpecError
     from trajforge.query_gen.stage import generate_queries
@@ -940,7 +941,7 @@ def apps_check(
         with tempfile.TemporaryDirectory() as blobs:
             replay = settings.rollout.model_copy(update={"policy": "replay", "samples_per_query": 1})
             episodes = rollout(found, run_id="apps-check", settings=replay, blobs=BlobStore(Path(blobs)))
-    except AppDirError as exc:
+    except (AppDirError, EnvFault) as exc:  # EnvFault: a page the browser could not open twice (validation)
         raise _crash(str(exc)) from None
     # A graph with fewer distinct tasks than asked is no mistake in the spec: the validator and replay check them all.
     problems = Counter({reason: n for reason, n in made.dropped.items() if "fewer distinct tasks" not in reason})

@@ -8,21 +8,28 @@ whose element is gone or shown more than once (the replay acts only on an elemen
 exactly once), is dropped with the reason.
 
 A page is reached the cheapest way that shows what the path would show:
-- the start page, and a page entered by a link, by opening its `url` with the slot
-  values filled in. A url that holds a slot and does not load has lost that slot value,
-  and its queries are dropped;
-- a page entered by a form (a button, Enter in a search box) shows what was submitted,
-  which a fresh session opening its url does not have (the cart is empty, the search has
-  no results); so is a page whose fixed url does not load in a fresh session (it needs
-  parameters the spec does not hold, `/message?id=...`) or sends it elsewhere (a page
-  behind a sign-in form redirects to it). Both are reached by driving:
-  the crawl reaches the previous page and does the transition's UI actions there.
+- the start page, and a page entered by a link while nothing was driven on the way there
+  (no form sent), by opening its `url` with the slot values filled in. A url that holds a
+  slot and answers with an HTTP error has lost that slot value, and its queries are dropped;
+- a page entered by a form (a button, Enter in a search box), or by a link after one, shows
+  what was sent (the cart holds the dish, the search lists its results), which a fresh
+  session opening its url does not have; so is a page whose fixed url does not load in a
+  fresh session (it needs parameters the spec does not hold, `/message?id=...`) or whose
+  url sends it elsewhere (a page behind a sign-in form redirects to it: a redirect says
+  the page needs a session, not that a slot value is gone). These are reached by driving:
+  the crawl reaches the previous page and does the transition's UI actions there, in one
+  session as the replay does; so a search's result link is looked for on the results.
 
 An atomic-operation or deep-search query's first operation (query_gen.operations) is
 looked up on its last page like a transition's elements.
 
 Each (page, way of reaching it) is visited once, whatever number of queries pass
 through it, and all the elements any of them needs are looked up on that one visit.
+
+A page the browser could not open (a timeout, a crash, the app not answering) says
+nothing about the app, yet judged it would drop every query through it for the night
+(the start page: all of them). It is tried once more, and a fault that stays is raised:
+the shard fails and is run again, as the rollout reruns faults.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ def fill(template: str, slots: dict[str, str], *, url: bool = False) -> str:
 
 
 def _targets(actions: list[UIAction], slots: dict[str, str]) -> tuple[Target, ...]:
-    """The transition's targeted elements up to its first `press` (which leaves the page)."""
+    """The transition's targeted elements up to its first `press` (which leaves the page); those after it are
+    looked for as the next page is driven through them."""
     targets: list[Target] = []
     for action in actions:
         if action.op == "press":
@@ -170,18 +178,23 @@ class InterfaceValidator:
                 targets = _targets(self.graph.edges[page_id, query.path[i + 1]]["transition"].actions, slots)
             else:
                 targets = _operation_targets(query)
-            by_url = i == 0 or _by_link(self.graph.edges[query.path[i - 1], page_id]["transition"].actions)
+            previous = steps[-1].route if steps else None
+            actions = self.graph.edges[query.path[i - 1], page_id]["transition"].actions if i else []
+            # Once the crawl drove a step (a form sent on the way, a page only a click reaches), or this
+            # transition sends a form before its link (a search's Enter), the page shows that session's
+            # state (what was added, what was found): the session goes on, it is driven.
+            in_session = previous is not None and (bool(previous[1]) or any(a.op == "press" for a in actions))
+            by_url = i == 0 or (_by_link(actions) and not in_session)
             load_error = self._status(url) if by_url else None
             route: Route | None = (url, ())
             error = None
-            if load_error is not None and placeholders(page.url):
+            # Only an HTTP error says the slot value is gone; a redirect says the page needs a session.
+            if load_error is not None and load_error.startswith("HTTP") and placeholders(page.url):
                 route, error = None, f"page {page_id!r} {url}: does not load ({load_error})"
             elif not by_url or load_error is not None:
-                previous = steps[-1].route if steps else None
                 if previous is None:  # the start page's fixed url does not load: nothing to drive from
                     route, error = None, f"page {page_id!r} {url}: does not load ({load_error})"
                 else:
-                    actions = self.graph.edges[query.path[i - 1], page_id]["transition"].actions
                     route = (previous[0], previous[1] + tuple(_filled(a, slots) for a in actions))
             note = f" (its url {url}: {load_error})" if by_url and load_error and route else ""
             steps.append(_Step(page_id, route, error, targets, note))
@@ -193,7 +206,8 @@ class InterfaceValidator:
             self._statuses[url] = self._fetch_status(url)
         return self._statuses[url]
 
-    def _fetch_status(self, url: str) -> str | None:
+    def _fetch_status(self, url: str, tries: int = 2) -> str | None:
+        """The app's answer; an app that does not answer (tried twice) is a fault of the environment."""
         try:
             with urllib.request.urlopen(self.base_url + url, timeout=self.timeout_s) as response:
                 if response.status >= 400:
@@ -203,23 +217,34 @@ class InterfaceValidator:
                 return None if landed == urlsplit(self.base_url + url).path else f"redirected to {landed}"
         except urllib.error.HTTPError as exc:
             return f"HTTP {exc.code}"
-        except urllib.error.URLError as exc:
-            return f"cannot be reached: {exc.reason}"
+        except OSError as exc:  # no answer at all: refused, reset, timed out (URLError is one)
+            if tries > 1:
+                return self._fetch_status(url, tries - 1)
+            raise EnvFault(f"interface validation of {self.spec.app}: {url} cannot be reached: {exc}",
+                           "app_down") from exc
 
-    def _visit(self, env: BrowserEnv, route: Route, targets: set[Target]) -> PageVisit:
-        url, actions = route
+    def _visit(self, env: BrowserEnv, page: str, route: Route, targets: set[Target]) -> PageVisit:
+        """The page's visit, tried once more after a fault; a fault that stays is raised (module docstring)."""
         try:
-            env.reset(token_hex(8), self.base_url + url)
-            for op, role, name, text in actions:
-                problem = self._do(env, op, role, name, text)
-                if problem is not None:
-                    return PageVisit(load_error=f"could not be reached from {url}: {problem}")
-            # find_boxes, not env.find_element: an atomic query's element may be role "text"
-            # (a passage to select), which no ARIA role lookup finds.
-            return PageVisit(found={(role, name): len(find_boxes(env, role, name))
-                                    for role, name in sorted(targets)})
+            return self._look(env, route, targets)
+        except EnvFault:
+            pass  # the env opens a new context at its next reset
+        try:
+            return self._look(env, route, targets)
         except EnvFault as exc:
-            return PageVisit(load_error=f"browser could not open it: {exc}")
+            raise EnvFault(f"interface validation of {self.spec.app} page {page!r} {route[0]}: {exc}",
+                           exc.kind) from exc
+
+    def _look(self, env: BrowserEnv, route: Route, targets: set[Target]) -> PageVisit:
+        url, actions = route
+        env.reset(token_hex(8), self.base_url + url)
+        for op, role, name, text in actions:
+            problem = self._do(env, op, role, name, text)
+            if problem is not None:
+                return PageVisit(load_error=f"could not be reached from {url}: {problem}")
+        # find_boxes, not env.find_element: an atomic query's element may be role "text"
+        # (a passage to select), which no ARIA role lookup finds.
+        return PageVisit(found={(role, name): len(find_boxes(env, role, name)) for role, name in sorted(targets)})
 
     def _do(self, env: BrowserEnv, op: str, role: str | None, name: str | None, text: str | None) -> str | None:
         """Do one UI action on the live page; why it could not be done, or None.
@@ -265,7 +290,7 @@ class InterfaceValidator:
             known = self.cache.get(key)
             if known is None or (known.load_error is None and not targets <= known.found.keys()):
                 todo[key] = targets | (known.found.keys() if known else set())
-        found = map_envs(self.envs, lambda env, key: self._visit(env, key[1], todo[key]), list(todo))
+        found = map_envs(self.envs, lambda env, key: self._visit(env, *key, todo[key]), list(todo))
         self.cache.update(zip(todo, found))
         result = ValidationResult([], Counter(), {}, Counter(), len(todo))
         for query in queries:

@@ -8,6 +8,7 @@ calls, the slot constraint, what the rows name), not the quality of the prose.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -17,7 +18,7 @@ import pytest
 
 from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
 from trajforge.envs.apps.web import Request, Response, redirect
-from trajforge.envs.browser import BrowserEnv
+from trajforge.envs.browser import BrowserEnv, EnvFault
 from trajforge.envs.kinds import BundledWebKind
 from trajforge.envs.pool import EnvPool
 from trajforge.envs.spec import AppSpec
@@ -172,11 +173,11 @@ def test_a_slot_value_the_shop_lacks_drops_exactly_its_queries(shop: BundledApp,
     assert result.kept == queries
     assert result.reasons == {
         gone[0].query_id: "page 'home' /: link 'Sushi Platter' not found",
-        gone[1].query_id: "page 'dish' /dish/Sushi%20Platter: does not load (HTTP 404)",
+        gone[1].query_id: "page 'dish': could not be reached from /search: link 'Sushi Platter' not found",
     }
     assert result.dropped == {
         "shop: interface validation: page 'home' /: link 'Sushi Platter' not found": 1,
-        "shop: interface validation: page 'dish' /dish/Sushi%20Platter: does not load (HTTP 404)": 1,
+        "shop: interface validation: page 'dish': could not be reached from /search: link 'Sushi Platter' not found": 1,
     }
 
 
@@ -190,16 +191,19 @@ def test_a_size_the_dish_page_lacks_is_found_missing(shop: BundledApp, server: A
 @pytest.mark.browser
 def test_a_renamed_page_drops_the_queries_through_it(shop: BundledApp, server: AppServer,
                                                      envs: list[BrowserEnv]) -> None:
+    """A page its url opens is dropped when the url no longer loads; one that a search leads to is driven there,
+    as the replay does, and never opens its url."""
     queries = shop_queries(shop, 12)
     raw = shop.spec.model_dump(by_alias=True)
     raw["pages"]["dish"]["url"] = "/dishes/{dish}"  # the spec's page the app does not serve
     renamed = AppSpec.model_validate(raw)
     result = InterfaceValidator(renamed, server.base_url, envs).validate(queries)
-    through_dish = {q.query_id for q in queries if "dish" in q.path}
-    assert through_dish and set(result.reasons) == through_dish
+    by_url = {q.query_id for q in queries if q.path[:2] == ["home", "dish"]}
+    assert by_url and any(q.path[:3] == ["home", "search", "dish"] for q in queries)
+    assert set(result.reasons) == by_url
     assert all(r.startswith("page 'dish' /dishes/") and r.endswith("does not load (HTTP 404)")
                for r in result.reasons.values())
-    assert [q.query_id for q in result.kept] == [q.query_id for q in queries if "dish" not in q.path]
+    assert [q.query_id for q in result.kept] == [q.query_id for q in queries if q.query_id not in by_url]
 
 
 @pytest.mark.browser
@@ -223,11 +227,7 @@ def test_a_hiccup_of_the_browser_is_tried_again_and_a_lasting_one_fails_the_craw
     """A page that did not load in time says nothing about the app: judged, it would drop every query through
     it for the night (the start page: all of them). It is opened once more, and a fault that stays fails the
     crawl, to be run again, as the rollout reruns faults."""
-    import time
-
-    from trajforge.envs.browser import EnvFault
-
-    queries = shop_queries(shop, 5)
+    queries = shop_queries(shop, 3)
     handle = type(shop).handle
     slow = {"left": 2}  # the first GET / is the crawl's status check, which waits 10 s; the browser waits 2
 
@@ -243,15 +243,27 @@ def test_a_hiccup_of_the_browser_is_tried_again_and_a_lasting_one_fails_the_craw
         assert result.reasons == {} and result.kept == queries
         slow["left"] = 3  # the status check, then the visit and its second try
         with pytest.raises(EnvFault, match="page 'home' /: .*Timeout") as fault:
-            InterfaceValidator(shop.spec, srv.base_url, env).validate(queries)
+            InterfaceValidator(shop.spec, srv.base_url, env).validate(queries[:1])
     assert fault.value.kind == "timeout"
+
+
+@pytest.mark.browser
+def test_an_app_that_does_not_answer_fails_the_crawl_rather_than_dropping_its_queries(
+        shop: BundledApp, envs: list[BrowserEnv]) -> None:
+    queries = shop_queries(shop, 3)
+    with AppServer(shop) as srv:
+        base_url = srv.base_url
+    with pytest.raises(EnvFault, match="interface validation of shop: / cannot be reached") as fault:
+        InterfaceValidator(shop.spec, base_url, envs).validate(queries)
+    assert fault.value.kind == "app_down"
 
 
 @pytest.mark.browser
 def test_a_search_that_shows_no_results_drops_the_queries_that_pick_a_result(
         shop: BundledApp, envs: list[BrowserEnv], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The result link is looked for on the results the search shows, not skipped because the dish's own url
-    opens: a search box that no longer finds anything drops exactly the queries that search."""
+    """The result link is looked for on the results the search shows (the dish is driven to through it), not
+    skipped because the dish's own url opens: a search that no longer finds anything drops exactly the queries
+    that search."""
     queries = shop_queries(shop, 40)
     handle = type(shop).handle
     monkeypatch.setattr(type(shop), "handle", lambda self, request, state: handle(
@@ -262,7 +274,7 @@ def test_a_search_that_shows_no_results_drops_the_queries_that_pick_a_result(
     assert by_search and set(result.reasons) == {q.query_id for q in by_search}
     for q in by_search:
         dish = json.loads(q.slots_json)["dish"]
-        assert result.reasons[q.query_id] == f"page 'search' /search: link '{dish}' not found"
+        assert result.reasons[q.query_id] == f"page 'dish': could not be reached from /search: link '{dish}' not found"
 
 
 @pytest.mark.browser
