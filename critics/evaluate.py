@@ -54,33 +54,35 @@ class Confusion:
         return self.tp + self.fp + self.tn + self.fn
 
     @property
-    def precision(self) -> float:
-        """Of the episodes judged a success, the share that succeeded (0 when none was judged one)."""
+    def precision(self) -> float | None:
+        """Of the episodes judged a success, the share that succeeded (None when none was judged one)."""
         return _ratio(self.tp, self.tp + self.fp)
 
     @property
-    def recall(self) -> float:
+    def recall(self) -> float | None:
         return _ratio(self.tp, self.tp + self.fn)
 
     @property
-    def npv(self) -> float:
-        """Of the episodes judged a failure, the share that failed."""
+    def npv(self) -> float | None:
+        """Of the episodes judged a failure, the share that failed (None when none was judged one)."""
         return _ratio(self.tn, self.tn + self.fn)
 
     @property
-    def f1(self) -> float:
+    def f1(self) -> float | None:
         p, r = self.precision, self.recall
+        if p is None or r is None:
+            return None
         return 0.0 if p + r == 0 else 2 * p * r / (p + r)
 
     @property
-    def kappa(self) -> float:
-        """Cohen's kappa: agreement beyond what the two label rates give by chance.
+    def kappa(self) -> float | None:
+        """Cohen's kappa: agreement beyond what the two label rates give by chance (None on no episode).
 
         When chance agreement is total (both sides give one label only) kappa is
         undefined; it is reported as 1.0 if they agree on everything, else 0.0.
         """
         if self.n == 0:
-            return 0.0
+            return None
         observed = (self.tp + self.tn) / self.n
         expected = (
             (self.tp + self.fp) * (self.tp + self.fn) + (self.tn + self.fn) * (self.tn + self.fp)
@@ -89,15 +91,17 @@ class Confusion:
             return 1.0 if observed == 1 else 0.0
         return (observed - expected) / (1 - expected)
 
-    def metrics(self) -> dict[str, float | int]:
+    def metrics(self) -> dict[str, float | int | None]:
+        """The metrics and the table's cells; an undefined metric (nothing to divide by) is None, not 0: a
+        channel that answered nothing would read as wrong on every episode."""
         return {
             "n": self.n, "precision": self.precision, "recall": self.recall, "npv": self.npv,
             "f1": self.f1, "kappa": self.kappa, "tp": self.tp, "fp": self.fp, "tn": self.tn, "fn": self.fn,
         }
 
 
-def _ratio(a: int, b: int) -> float:
-    return a / b if b else 0.0
+def _ratio(a: int, b: int) -> float | None:
+    return a / b if b else None
 
 
 @dataclass

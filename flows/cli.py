@@ -267,13 +267,18 @@ def _watch(ws: Workspace, run_id: str, stop: threading.Event) -> None:
                 progress.update(bars[stage], completed=done, total=total)
 
 
-def _summary(ws: Workspace, snapshots: dict[str, int], tag: str | None) -> None:
+def _summary(ws: Workspace, snapshots: dict[str, int], tag: str | None, run_id: str) -> None:
+    """The version of each table the run made, with the rows all its versions of the table added (the report's
+    last section)."""
+    from trajforge.synth.report import rows_added
+
     table = Table(title="trajforge run", show_lines=False)
     for col in ("table", "rows added", "rows total", "snapshot", "tag"):
         table.add_column(col, justify="right" if col.startswith("rows") else "left", no_wrap=True)
     for name, snapshot in snapshots.items():
         info = ws.catalog.info(name, snapshot)
-        table.add_row(name, str(info.added_rows), str(info.total_rows), str(snapshot), tag or "")
+        mine = [i for i in ws.catalog.history(name) if i.run_id == run_id]
+        table.add_row(name, str(rows_added(mine)), str(info.total_rows), str(snapshot), tag or "")
     console.print(table)
     console.print(f"warehouse: {ws.settings.warehouse.path.resolve()}")
 
@@ -348,10 +353,10 @@ def run(
             stop.set()
             watcher.join()
         if stage == "nightly":
-            _summary(ws, result["snapshots"], result["tag"])
+            _summary(ws, result["snapshots"], result["tag"], run_.run_id)
         else:
             ws.ledger.finish_run(run_.run_id, {"snapshots": result})
-            _summary(ws, result, None)
+            _summary(ws, result, None, run_.run_id)
 
 
 @datasets.command("list")
@@ -391,6 +396,8 @@ def datasets_history(table: str, config: ConfigOpt = None) -> None:
     _, ws = _open_existing(config)
     with _usage_errors():
         history = ws.catalog.history(table)
+    if not history:
+        raise _fail(_no_version(table))
     out = Table(title=f"{table}: {len(history)} version(s)")
     for col in ("snapshot", "committed at", "operation", "stage", "run", "added", "removed", "total", "inputs",
                 "tags"):
@@ -589,7 +596,8 @@ def eval_critics(
         table.add_column(col, justify="left" if col in ("predictor", "model") else "right")
     for r in reports:
         c = r.confusion
-        table.add_row(r.name, r.model_id, str(c.n), *(f"{v:.3f}" for v in (c.precision, c.recall, c.npv, c.f1, c.kappa)),
+        metrics = (c.precision, c.recall, c.npv, c.f1, c.kappa)  # None: nothing to divide by, shown as "-"
+        table.add_row(r.name, r.model_id, str(c.n), *("-" if v is None else f"{v:.3f}" for v in metrics),
                       *(str(v) for v in (c.tp, c.fp, c.tn, c.fn, r.unanswered)))
     console.print(table)
     for r in reports:
@@ -651,10 +659,31 @@ def report(
         path = found[-1]
     else:
         path = folder / f"{run_id}.md"
+        if not path.exists() and (tagged := _run_of_tag(ws, run_id)) is not None:
+            path = folder / f"{tagged}.md"
         if not path.exists():
-            raise _fail(f"no report for run {run_id!r} in {folder}")
+            newest = [p.stem for p in sorted(folder.glob("nightly-*.md"), reverse=True)[:5]]
+            raise _fail(f"no report for run or tag {run_id!r} in {folder}; the runs with one, newest first: "
+                        f"{', '.join(newest) or 'none'}")
     console.print(f"report: {path}", highlight=False)
     typer.echo(path.read_text())  # as written: rich would wrap the report's long table rows
+
+
+def _run_of_tag(ws: Workspace, tag: str) -> str | None:
+    """The run whose versions a tag (nightly-YYYY-MM-DD, on the report's first line) names now: a second night of
+    the same day moves the tag to its own versions. None where no table has the tag."""
+    from trajforge.data.catalog import CatalogError
+
+    if tag == "latest" or "@" in tag or re.fullmatch(r"-?\d+", tag):  # a version, not a tag (`Catalog.tag`)
+        return None
+    for table in ws.catalog.tables():
+        try:
+            _, snapshot = ws.catalog.resolve(f"{table}@{tag}")
+        except CatalogError:  # not a tag of this table
+            continue
+        if snapshot is not None:
+            return ws.catalog.info(table, snapshot).run_id
+    return None
 
 
 @app.command("export")
@@ -678,6 +707,7 @@ def export_cmd(
         _add_app_dirs(config, app_dir)
     _, ws = _open_existing(config)
     with _usage_errors(ExportError):
+        ws.catalog.resolve(ref)  # an unknown table is named, with the known ones, as `datasets show` does
         result = export(ws.catalog, ref, fmt, out, added_only=added, viewport=ws.settings.rollout.viewport)
     console.print(f"exported {result.table}@{result.snapshot} as {fmt}: {result.rows} rows, {result.images} images "
                   f"to {result.out} (card: {result.card})", highlight=False)

@@ -93,8 +93,8 @@ def export(units: list[ExportUnit], *, run_id: str, tag: str, blobs: BlobStore, 
                       prompts={PROMPT: prompt.version})
     reflections: list[tuple[Reflection, ReflectorChat]] = []
     for unit in units:
-        if not unit.success:
-            out.dropped["trajectory not accepted by the critics"] += 1
+        if not unit.success:  # one per episode: the other reasons count steps
+            out.dropped["trajectory not accepted by the critics (episodes)"] += 1
             continue
         history: list[str] = []
         for step in unit.steps:

@@ -222,9 +222,9 @@ def render_calibration(ws: Workspace, run_id: str) -> list[str]:
              "| --- | --- | --- | --- | --- | --- |"]
     for report in score(judged):
         c = report.confusion
-        precision = f"{c.precision:.2f}" if c.tp + c.fp else "- (none judged a success)"
-        npv = f"{c.npv:.2f}" if c.tn + c.fn else "- (none judged a failure)"
-        kappa = f"{c.kappa:.2f}" if c.n else "-"
+        precision = f"{c.precision:.2f}" if c.precision is not None else "- (none judged a success)"
+        npv = f"{c.npv:.2f}" if c.npv is not None else "- (none judged a failure)"
+        kappa = f"{c.kappa:.2f}" if c.kappa is not None else "-"
         lines.append(f"| {report.name} | {c.n} | {precision} | {npv} | {kappa} | {report.unanswered} |")
     return lines + [""]
 
@@ -395,14 +395,24 @@ def write_report(ws: Workspace, run_id: str, tag: str) -> Path:
 def render_versions(snapshots: list[tuple[str, SnapshotInfo]], tag: str) -> list[str]:
     """The version of each table the run made (its last commit to it: the one a nightly tags), in the order the run
     first wrote each, as the run command prints them: `TABLE@SNAPSHOT` or `TABLE@TAG` reads the night's data."""
-    last: dict[str, SnapshotInfo] = {}
+    versions: dict[str, list[SnapshotInfo]] = {}
     for table, info in snapshots:
-        last[table] = info  # a table written again keeps its place
+        versions.setdefault(table, []).append(info)  # a table written again keeps its place
     lines = ["## Versions this run made", "", "| table | rows added | rows in the version | snapshot | tag |",
              "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {table} | {info.added_rows} | {info.total_rows} | {info.snapshot_id} | "
-              f"{tag if tag in info.tags else '-'} |" for table, info in last.items()]
+    lines += [f"| {table} | {rows_added(mine)} | {mine[-1].total_rows} | {mine[-1].snapshot_id} | "
+              f"{tag if tag in mine[-1].tags else '-'} |" for table, mine in versions.items()]
     return lines + [""]
+
+
+def rows_added(versions: list[SnapshotInfo]) -> int:
+    """The rows a run added to a table over its versions of it, oldest first: replay_buffer gets the reference
+    stage's rows and then guidance's and history's (often none), so the last version's count alone understates
+    the night. A version that holds only its own rows (an overwrite, as of queries) replaced what came before."""
+    added = 0
+    for info in versions:
+        added = info.added_rows if info.added_rows == info.total_rows else added + info.added_rows
+    return added
 
 
 def hard_when_begun(ws: Workspace, run_id: str, before: pl.DataFrame) -> list[str]:

@@ -350,6 +350,64 @@ def test_export_of_an_unknown_format_is_a_usage_error(tmp_path: Path, trajforge_
     assert "unknown format 'nope'" in proc.stderr
 
 
+def test_export_of_an_unknown_table_names_the_known_ones(tmp_path: Path, trajforge_cli: str) -> None:
+    queries_warehouse(tmp_path)
+    proc = run(trajforge_cli, tmp_path, "export", "nosuch@latest", "--format", "hf", "--out", "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and "unknown table 'nosuch'; known tables: " in proc.stderr, proc.stderr
+    assert "train_e2e" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_history_of_a_table_with_no_version_says_what_writes_it(tmp_path: Path, trajforge_cli: str) -> None:
+    queries_warehouse(tmp_path)
+    proc = run(trajforge_cli, tmp_path, "datasets", "history", "checkpoints")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr == (
+        "error: table 'checkpoints' has no version yet; `trajforge run train` writes it\n")
+
+
+NIGHTS = ("nightly-20261206T223011-111111", "nightly-20261207T223011-446966")
+
+
+def test_report_takes_the_nights_tag_and_an_unknown_one_lists_the_runs_with_a_report(tmp_path: Path,
+                                                                                     trajforge_cli: str) -> None:
+    """The report's first line gives the night's tag beside its run id: either finds the report. The tag names
+    the run whose versions hold it now (a second night of the day moves it)."""
+    reports = tmp_path / "data" / "warehouse" / "reports"
+    with Catalog(tmp_path / "data" / "warehouse") as catalog:
+        for run_id in NIGHTS:
+            snapshot = catalog.commit_rows("queries", [query_row("q1", run_id=run_id)], lineage(run_id, run_id=run_id))
+            catalog.tag("queries", snapshot, "nightly-2026-12-07")
+    reports.mkdir()
+    for run_id in NIGHTS:
+        (reports / f"{run_id}.md").write_text(f"# trajforge run {run_id} (nightly-2026-12-07)\n")
+    proc = run(trajforge_cli, tmp_path, "report", "nightly-2026-12-07")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"# trajforge run {NIGHTS[1]} (nightly-2026-12-07)" in proc.stdout
+    proc = run(trajforge_cli, tmp_path, "report", "nightly-2026-12-08")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr == (
+        f"error: no report for run or tag 'nightly-2026-12-08' in {reports}; the runs with one, newest first: "
+        f"{NIGHTS[1]}, {NIGHTS[0]}\n")
+
+
+def test_the_runs_summary_counts_the_rows_every_stage_of_the_run_added(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """replay_buffer on a first night got 26 rows from the reference stage and none from guidance or history: the
+    summary said 0, the last version's own count. A row of an earlier run is not the run's."""
+    from trajforge.flows.cli import _summary
+    from trajforge.llm.workspace import Workspace
+    from trajforge.schemas.config import Settings
+
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "wh"}))
+    ws.catalog.commit_rows("queries", [query_row("q0", run_id="run-0")], lineage("a", run_id="run-0"))
+    ws.catalog.commit_rows("queries", [query_row("q1"), query_row("q2")], lineage("b", "reference"))
+    last = ws.catalog.commit_rows("queries", [], lineage("c", "history"))
+    _summary(ws, {"queries": last}, "nightly-x", "run-1")
+    row = next(line for line in capsys.readouterr().out.splitlines() if "queries" in line)
+    assert re.findall(r"[^│\s]+", row) == ["queries", "2", "3", str(last), "nightly-x"], row
+
+
 def test_unreachable_catalog_fails_in_one_line_without_the_password(tmp_path: Path, trajforge_cli: str) -> None:
     """Nothing listens on port 1, so no database is needed: the password must appear on no output and in no file
     the commands wrote (Prefect's home, the warehouse)."""

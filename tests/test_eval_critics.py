@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 from importlib import resources
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from conftest import require
 from test_catalog import lineage, query_row
 
-from trajforge.critics.evaluate import Confusion
+from trajforge.critics.evaluate import Confusion, PredictorReport
 from trajforge.data.catalog import Catalog
 
 JOTTER = Path(__file__).parents[1] / "examples" / "apps" / "jotter"
@@ -74,6 +75,18 @@ def test_kappa_of_a_textbook_table_and_its_edge_cases():
         Confusion.of([True, False], [True])
 
 
+def test_a_metric_with_nothing_to_measure_is_undefined_not_zero():
+    """A channel that answered nothing (multimodal off) read as precision, NPV and kappa 0.000: as wrong as can
+    be. Undefined is None, null in the report file, as the nightly report's "-"."""
+    assert [Confusion().precision, Confusion().npv, Confusion().kappa, Confusion().f1] == [None] * 4
+    failures = Confusion(tn=4)  # never judged a success, never a success
+    assert (failures.precision, failures.recall, failures.f1, failures.npv, failures.kappa) == (None, None, None, 1.0,
+                                                                                                 1.0)
+    assert Confusion(tp=1, fn=1, tn=2).npv == pytest.approx(2 / 3) and Confusion(fp=2, tn=1).precision == 0.0
+    written = json.loads(json.dumps(PredictorReport("multimodal", Confusion(), unanswered=5).as_json()))
+    assert (written["n"], written["precision"], written["npv"], written["kappa"]) == (0, None, None, None)
+
+
 CONFIG = """
 query_gen:
   apps: [shop]
@@ -120,6 +133,8 @@ def test_eval_critics_prints_metrics_and_writes_a_report(tmp_path, chromium, tra
     assert checker["n"] == episodes and checker["fp"] == checker["fn"] == 0, "the checker channel is the truth re-run"
     assert checker["tp"] == truth_successes
     assert by_name["multimodal"]["unanswered"] == episodes and by_name["multimodal"]["n"] == 0
+    assert by_name["multimodal"]["precision"] is None, "nothing answered: undefined, not 0.0"
+    assert re.search(r"multimodal .*│\s+0 │" + r"\s+- │" * 5, out), out
     assert by_name["text"]["unanswered"] == episodes, "text_channel is off"
     steps = by_name["step labels"]
     assert steps["n"] == episodes and steps["model_id"] in ("prefilter@2", "prefilter@2,rules@1", "rules@1")

@@ -83,6 +83,16 @@ def test_a_click_that_changed_nothing_is_history_not_a_target(blobs):
     assert "click: no change" in out.rows["train_e2e"][1].messages_json
 
 
+def test_a_trajectory_the_critics_did_not_accept_is_counted_once_by_a_reason_that_says_episodes(blobs):
+    """The report lists drops beside kept rows under one header: the other reasons count steps, this one counts
+    the episode (of 3 steps here, each labelled GOOD), so its reason names the unit."""
+    steps = [_step(blobs, i, "Tap the Cart link.") for i in range(3)]
+    unit = ExportUnit(_episode(), steps, False, {s.step_id: StepLabel("GOOD", "s") for s in steps})
+    out = _export([unit], blobs)
+    assert out.rows["train_e2e"] == []
+    assert out.dropped == {"trajectory not accepted by the critics (episodes)": 1}
+
+
 def test_filter_2_drops_a_thought_that_names_another_element_or_action(blobs):
     assert consistent("Tap the Cart link at the top.", "click", "Cart", TREE).ok
     assert consistent("", "click", "Cart", TREE).reason == "no thought to check"

@@ -82,6 +82,19 @@ def test_the_report_ends_with_the_version_of_each_table_the_run_made(ws):
     assert cells(versions, "| query_history |") == ["query_history", "1", "1", str(made["query_history"]), tag]
 
 
+def test_rows_added_count_every_stage_of_the_run_that_appended_to_the_table(ws):
+    """replay_buffer on a first night: the reference stage adds 26 rows, guidance and history none; the last
+    version's own count (0) read as a night that added nothing. An earlier night's rows are not the run's."""
+    run_id = ws.ledger.open_run("nightly", "test").run_id
+    tag = ws.run_tag(run_id)
+    commit(ws, EARLIER, "query_history", [attempt(EARLIER, "q0", True)], "history")
+    commit(ws, run_id, "query_history", [attempt(run_id, "q1", False), attempt(run_id, "q2", True)], "reference")
+    last = commit(ws, run_id, "query_history", [], "history")
+    ws.catalog.tag("query_history", last, tag)
+    versions = write_report(ws, run_id, tag).read_text().split("## Versions this run made")[1]
+    assert cells(versions, "| query_history |") == ["query_history", "2", "3", str(last), tag]
+
+
 @pytest.fixture
 def exported(ws) -> str:
     """A night of one accepted Mobile-Agent-v3 episode: one train_e2e row (weight 1.5), no role row. The export
