@@ -304,6 +304,11 @@ def _commit_file_stem(commit_key: str) -> str:
     return f"{readable}-{tail}" if readable else tail
 
 
+def can_be_tag(name: str) -> bool:
+    """Whether a ref's version part can name a tag: not empty, `latest`, a snapshot id, or holding an `@`."""
+    return bool(name) and "@" not in name and name != "latest" and not re.fullmatch(r"-?\d+", name)
+
+
 def snapshot_lineage(snapshot: Snapshot) -> Lineage | None:
     """The lineage a snapshot's summary carries; None for a snapshot committed without one."""
     raw = snapshot.summary[LINEAGE_KEY] if snapshot.summary is not None else None
@@ -883,7 +888,7 @@ class Catalog:
 
         Tags survive snapshot expiry, so a tagged training set stays readable.
         """
-        if not name or "@" in name or name == "latest" or re.fullmatch(r"-?\d+", name):
+        if not can_be_tag(name):
             raise BadTagName(f"tag name {name!r} would be ambiguous in a ref; use e.g. 'nightly-2026-11-22'")
         table_name, snapshot_id = self.resolve(self._ref(table, version))
         if snapshot_id is None:

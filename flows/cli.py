@@ -672,9 +672,9 @@ def report(
 def _run_of_tag(ws: Workspace, tag: str) -> str | None:
     """The run whose versions a tag (nightly-YYYY-MM-DD, on the report's first line) names now: a second night of
     the same day moves the tag to its own versions. None where no table has the tag."""
-    from trajforge.data.catalog import CatalogError
+    from trajforge.data.catalog import CatalogError, can_be_tag
 
-    if tag == "latest" or "@" in tag or re.fullmatch(r"-?\d+", tag):  # a version, not a tag (`Catalog.tag`)
+    if not can_be_tag(tag):
         return None
     for table in ws.catalog.tables():
         try:
