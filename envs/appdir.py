@@ -81,7 +81,14 @@ from trajforge.envs.apps.interaction import (
 )
 from trajforge.envs.axtree import AXNode, parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, Observation
-from trajforge.envs.spec import AppSpec, SpecError, placeholders, spec_problems, template_problems
+from trajforge.envs.spec import (
+    AppSpec,
+    SpecError,
+    placeholders,
+    spec_problems,
+    template_problem,
+    template_problems,
+)
 from trajforge.schemas.config import read_yaml, yaml_problem
 
 SPEC_FILE = "spec.yaml"
@@ -120,15 +127,8 @@ RESET_FILLS = ("python",)
 def _fillable(field: str, template: str | None, names: tuple[str, ...]) -> None:
     """Refuse a command or URL that its placeholders' filling would fail on mid-night (a lone brace, as in a JSON
     body, or a name nothing fills), while the spec is read."""
-    if template is None:
-        return
-    try:
-        unknown = sorted(placeholders(template) - set(names))
-    except ValueError as exc:
-        raise ValueError(f"{field} {template!r}: {exc} (a literal brace is written twice: {{{{ or }}}})") from None
-    if unknown:
-        raise ValueError(f"{field} {template!r}: {{{unknown[0]}}} is filled by nothing here; it may hold "
-                         + ", ".join(f"{{{n}}}" for n in names) + " (a literal brace is written twice: {{ or }})")
+    if template is not None and (problem := template_problem(field, template, names)):
+        raise ValueError(problem)
 
 
 def _splittable(field: str, command: str | None) -> None:
@@ -327,16 +327,6 @@ SLOT_STAND_IN = "x"
 JMESPath once filled, as it is filled at the end of an episode (a slot value is escaped there, so any one does)."""
 
 
-def _template_problem(field: str, template: str) -> str | None:
-    """Why a check's text cannot take its slot values, or None: a lone brace, or a brace pair that Python's format
-    reads as its own (`{t: notes}`, a JMESPath hash written with single braces)."""
-    try:
-        template.format_map(_stand_ins(template))
-    except (ValueError, LookupError, AttributeError) as exc:
-        return f"{field}: {exc} in {template!r} (a literal brace is written twice: {{{{ or }}}})"
-    return None
-
-
 def _selector_problem(selector: str) -> str | None:
     """Why a CSS selector is none, as far as its brackets and quotes tell, or None. The browser parses it only at
     the end of each episode, where a bad one failed every episode; this scan catches the usual slips."""
@@ -371,7 +361,7 @@ def _check_problems(checks: dict[str, Check]) -> list[str]:
     for name, check in checks.items():
         for where, c in _located(check, f"checks.{name}"):
             texts = [(f"{where}.{f}", t) for f, t in _texts(c)]
-            if bad := [p for f, t in texts if (p := _template_problem(f, t))]:
+            if bad := [p for f, t in texts if (p := template_problem(f, t))]:
                 problems += bad
                 continue
             if isinstance(c, UrlCheck):
@@ -814,9 +804,37 @@ def _group_ended(process: subprocess.Popen[str], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         process.poll()  # the command, once reaped, no longer counts as the group's
-        try:
-            os.killpg(process.pid, 0)
-        except ProcessLookupError:
+        _reap(process.pid)
+        if not _runs(process.pid):
+            _reap(process.pid)  # who ended since the first read
             return True
         time.sleep(0.1)
+    return False
+
+
+def _reap(pgid: int) -> None:
+    """Read the exits of the group's processes that are this process's to read. Where trajforge is a container's
+    PID 1 (or a subreaper), a wrapper's orphaned server becomes its child, and unread it stays a zombie."""
+    with suppress(ChildProcessError):
+        while os.waitpid(-pgid, os.WNOHANG)[0]:
+            pass
+
+
+def _runs(pgid: int) -> bool:
+    """Whether a process of the group still runs. A zombie has ended and holds no port, yet `killpg(pgid, 0)`
+    counts it: where nothing reads an orphan's exit (a PID 1 that reaps nothing), every stop waited out the grace
+    twice. /proc tells a zombie apart; without it (macOS), killpg's answer."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the name in parentheses may hold spaces: state and group follow the last ')'
+            state, _parent, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # it ended while we looked
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
     return False

@@ -123,6 +123,24 @@ def placeholders(template: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
+BRACE_HINT = "a literal brace is written twice: {{ or }}"
+
+
+def template_problem(field: str, template: str, fills: tuple[str, ...] | None = None) -> str | None:
+    """Why `template` cannot be filled as `str.format_map` fills it later, mid-night, or None: a lone brace, a brace
+    pair Python reads as its own (`{t: notes}`, a JMESPath hash written with single braces), or, where `fills` names
+    what fills this field, a name nothing fills. Every check of a spec's or app's templates asks here."""
+    try:
+        names = placeholders(template)
+        if fills is not None and (unknown := sorted(names - set(fills))):
+            return (f"{field} {template!r}: {{{unknown[0]}}} is filled by nothing here; it may hold "
+                    + ", ".join(f"{{{n}}}" for n in fills) + f" ({BRACE_HINT})")
+        template.format_map(dict.fromkeys(names, "x"))  # any value: a conversion or format spec fails on each
+    except (ValueError, LookupError, AttributeError) as exc:
+        return f"{field}: {exc} in {template!r} ({BRACE_HINT})"
+    return None
+
+
 def _templates(spec: AppSpec) -> Iterator[tuple[str, str]]:
     """(field, template) of every text of the spec that may hold a {slot}."""
     for i, t in enumerate(spec.transitions):
@@ -139,13 +157,7 @@ def _templates(spec: AppSpec) -> Iterator[tuple[str, str]]:
 
 def template_problems(spec: AppSpec) -> list[str]:
     """The spec's templates that are no format string: every later check, and the sampler, parses them."""
-    problems = []
-    for field, template in _templates(spec):
-        try:
-            placeholders(template)
-        except ValueError as exc:
-            problems.append(f"{field}: {exc} in {template!r} (a literal brace is written twice: {{{{ or }}}})")
-    return problems
+    return [problem for field, template in _templates(spec) if (problem := template_problem(field, template))]
 
 
 def spec_problems(spec: AppSpec) -> list[str]:

@@ -290,6 +290,42 @@ def test_an_app_started_by_a_wrapper_is_stopped_whole(tmp_path: Path, wrapper: s
             os.killpg(int((tmp_path / "group").read_text()), signal.SIGKILL)
 
 
+REAPER = """\
+import ctypes, json, sys, time
+from pathlib import Path
+from trajforge.envs.appdir import load_app_dir, running
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans become ours, as PID 1's
+with running(load_app_dir(Path(sys.argv[1]))):
+    time.sleep(3)  # the wrapper exits: its server is an orphan, our child
+group = int((Path(sys.argv[1]) / "group").read_text())
+members = []
+for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+        state, _, pgid = stat.read_text().rsplit(")", 1)[1].split()[:3]
+    except OSError:
+        continue
+    if int(pgid) == group:
+        members.append(state)
+print(json.dumps(members))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper and /proc are Linux's")
+def test_an_app_stopped_where_trajforge_reaps_orphans_leaves_no_zombie(tmp_path: Path) -> None:
+    """Run as a container's PID 1, trajforge inherits the wrapper's orphaned server: its exit is read when the app
+    stops, so no zombie is left and the stop does not wait out its grace on one (a zombie counts for killpg)."""
+    _app_dir(tmp_path, serve={"command": "sh -c 'echo $$ > group; {python} -m http.server {port} & sleep 1'",
+                              "url": "http://127.0.0.1:{port}", "ready_timeout_s": 30})
+    try:
+        out = subprocess.run([sys.executable, "-c", REAPER, str(tmp_path)], capture_output=True, text=True,
+                             timeout=100, check=True)
+        assert json.loads(out.stdout) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.killpg(int((tmp_path / "group").read_text()), signal.SIGKILL)
+
+
 @pytest.mark.browser
 @pytest.mark.timeout(900)
 def test_the_notes_app_as_an_app_directory_gives_the_bundled_apps_queries_and_verdicts(chromium: Path,
@@ -608,6 +644,17 @@ def test_a_night_on_datasette_and_on_the_notes_app_as_an_app_directory(tmp_path:
     for table in ("train_e2e", "train_grounding", "train_semantics", "train_planning"):
         assert ws.catalog.latest(table)[0].height > 0, table
     assert {"bookshelf", "jotter"} <= set(ws.catalog.latest("grounding")[0]["app"])
+
+
+@pytest.mark.timeout(180)
+def test_the_datasette_example_leaves_no_database_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve.py builds its database in a temporary folder, removed when trajforge stops the app: every start left
+    one in /tmp (18 in one session)."""
+    require(importlib.util.find_spec("datasette") is not None, "datasette is not installed (pip install datasette)")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the app's temporary folder, apart from other tests' apps
+    with running(load_app_dir(DATASETTE)):
+        assert [p.name for p in tmp_path.glob("datasette-books-*")], "the database is built elsewhere"
+    assert list(tmp_path.glob("datasette-books-*")) == []
 
 
 COUNTER = Path(__file__).parent / "fixtures" / "counter_app"
