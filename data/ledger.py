@@ -130,6 +130,11 @@ def _utc(value: datetime) -> datetime:
     return value.astimezone(timezone.utc) if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
 
 
+def scope_of(catalog_name: str, namespace: str) -> str:
+    """The ledger scope of a catalog's namespace: its runs' writer lock."""
+    return f"{catalog_name}/{namespace}"
+
+
 class Ledger:
     def __init__(self, url: str, scope: str = ""):
         """`scope` names the warehouse within the database (its catalog and namespace): runs on two warehouses
@@ -181,10 +186,13 @@ class Ledger:
     def writer_key(self) -> int:
         """The key of `writing`'s PostgreSQL advisory lock: in `pg_locks`, `(classid::bigint << 32) | objid`
         (objsubid 1), whose `pid` is the server process of the run that holds the warehouse."""
-        return int(digest(f"trajforge-writer:{self.engine.url.database}:{self.scope}", 15), 16)
+        return self._key(self.scope)
+
+    def _key(self, scope: str) -> int:
+        return int(digest(f"trajforge-writer:{self.engine.url.database}:{scope}", 15), 16)
 
     @contextmanager
-    def writing(self, run: str) -> Iterator[None]:
+    def writing(self, run: str, *, also: Iterable[str] = ()) -> Iterator[None]:
         """Hold the warehouse for a run of `run` (nightly, or a stage's name) while the block runs: a second
         run started meanwhile stops at once with RunLocked, naming the run that holds it, instead of
         interleaving its commits with this one's.
@@ -192,36 +200,32 @@ class Ledger:
         PostgreSQL: a session advisory lock on a connection of its own (any machine that shares the catalog
         sees it); SQLite: an flock on a file beside the database. Either is released by the operating
         system or the server when the process dies, so a crashed run never leaves the warehouse locked.
+
+        `also`: other scopes of this database to hold as well (`expire`, whose blob store and train/ folder the
+        warehouse's other namespaces share). SQLite's flock is the database's, so it holds every scope already.
         """
         if self.engine.dialect.name == "postgresql":
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:  # no open transaction
                 key = self.writer_key
-                # A killed holder's lock goes when its server process sees the connection close, a moment
-                # after the kill (a CI run caught it still held): ask again for up to 2 s before refusing.
-                for attempt in range(5):
-                    if attempt:
-                        time.sleep(0.5)
-                    if conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
-                        break
-                else:
-                    raise RunLocked(f"another run is writing to this warehouse ({self.scope or 'catalog'} in database "
-                                    f"{self.engine.url.database!r} on {self.engine.url.host}); runs not finished: "
-                                    f"{self._unfinished()}; "
-                                    "wait for it to finish, or stop it (a stopped run resumes on its rerun)")
-                # The lock lives as long as this connection, which stays idle while the run works: a server's
-                # idle_session_timeout (PostgreSQL 14+) would end it, so it is off for this session, and the
-                # server's TCP keepalives keep a NAT or firewall from forgetting it. `check_writing` still asks
-                # before each commit, for whatever else ends it.
-                if conn.dialect.server_version_info >= (14,):
-                    conn.execute(sa.text("SET idle_session_timeout = 0"))
-                conn.execute(sa.text("SET tcp_keepalives_idle = 60"))
-                self._held = conn, key
+                taken: list[int] = []
                 try:
+                    for scope in dict.fromkeys([self.scope, *also]):
+                        self._lock(conn, scope)
+                        taken.append(self._key(scope))
+                    # The lock lives as long as this connection, which stays idle while the run works: a server's
+                    # idle_session_timeout (PostgreSQL 14+) would end it, so it is off for this session, and the
+                    # server's TCP keepalives keep a NAT or firewall from forgetting it. `check_writing` still asks
+                    # before each commit, for whatever else ends it.
+                    if conn.dialect.server_version_info >= (14,):
+                        conn.execute(sa.text("SET idle_session_timeout = 0"))
+                    conn.execute(sa.text("SET tcp_keepalives_idle = 60"))
+                    self._held = conn, key
                     yield
                 finally:
                     self._held = None
-                    with suppress(sa.exc.SQLAlchemyError):  # a lost connection took the lock with it
-                        conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                    with suppress(sa.exc.SQLAlchemyError):  # a lost connection took the locks with it
+                        for taken_key in taken:
+                            conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": taken_key})
             return
         path = Path(f"{self.engine.url.database}.writer.lock")
         with path.open("a+") as lock:
@@ -240,6 +244,19 @@ class Ledger:
             finally:
                 lock.truncate(0)
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _lock(self, conn: sa.Connection, scope: str) -> None:
+        """Take `scope`'s advisory lock on `conn`, or raise RunLocked naming who may hold it."""
+        # A killed holder's lock goes when its server process sees the connection close, a moment
+        # after the kill (a CI run caught it still held): ask again for up to 2 s before refusing.
+        for attempt in range(5):
+            if attempt:
+                time.sleep(0.5)
+            if conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self._key(scope)}).scalar():
+                return
+        raise RunLocked(f"another run is writing to this warehouse ({scope or 'catalog'} in database "
+                        f"{self.engine.url.database!r} on {self.engine.url.host}); runs not finished: "
+                        f"{self._unfinished()}; wait for it to finish, or stop it (a stopped run resumes on its rerun)")
 
     def check_writing(self) -> None:
         """Raise LockLost when the PostgreSQL lock this ledger's `writing` took is not held any more; nothing

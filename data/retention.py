@@ -29,7 +29,8 @@ the versions its stages read (`trajforge run STAGE --input TABLE@VERSION`). Nor
 what it has committed so far, with the versions those were made from: its rerun finds each commit
 by its key and reads its later stages' inputs by version id, so an expired one would be committed
 a second time (an overwrite table would roll back to it) or stop the rerun.
-Run under the warehouse's writer lock, so no run writes meanwhile. `dry_run` lists only.
+Run under the writer lock of every namespace of the warehouse (`sharing_scopes`), so no run writes
+meanwhile. `dry_run` lists only.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from trajforge.data.catalog import (
     referenced_files,
     snapshot_lineage,
 )
-from trajforge.data.ledger import Ledger
+from trajforge.data.ledger import Ledger, scope_of
 
 
 @dataclass
@@ -119,6 +120,13 @@ def _mentioned(name: str, tbl: Table, versions: Collection[int], files: Iterable
             version = next(v for v in sorted(versions) if path in referenced_files(tbl, [v]))
             raise corrupt_file(name, version, path, exc) from exc
     return found
+
+
+def sharing_scopes(catalog: Catalog) -> list[str]:
+    """The ledger scopes of the catalog's other namespaces: their runs store blobs in this warehouse's blob store
+    (a blob stored again keeps its old mtime, so the cutoff does not protect it) and write its train/ folder, so
+    `expire` holds their writer locks beside its own (`Ledger.writing(also=...)`)."""
+    return [scope_of(catalog.iceberg.name, ".".join(namespace)) for namespace in _other_namespaces(catalog)]
 
 
 def _other_namespaces(catalog: Catalog, parent: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:

@@ -524,11 +524,11 @@ def datasets_expire(
 ) -> None:
     """Expire old versions (tagged and current ones kept), then remove the data files, Iceberg metadata files and
     screenshot blobs that no remaining version references, and the trainer's old input folders."""
-    from trajforge.data.retention import expire
+    from trajforge.data.retention import expire, sharing_scopes
     from trajforge.llm.cache import ResponseCache
 
     settings, ws = _open_existing(config)
-    with ws.ledger.writing("expire"):  # no run commits meanwhile
+    with ws.ledger.writing("expire", also=sharing_scopes(ws.catalog)):  # no run commits meanwhile, in any namespace
         gone = expire(ws.catalog, ws.blobs, ws.ledger, timedelta(days=older_than), dry_run=dry_run,
                       checkpoints_dir=settings.loop.checkpoints_dir, collect_checkpoints=checkpoints,
                       named_models=settings.model_names())

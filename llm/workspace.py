@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trajforge.data.blobs import BlobStore
 from trajforge.data.catalog import Catalog
-from trajforge.data.ledger import Ledger
+from trajforge.data.ledger import Ledger, scope_of
 from trajforge.llm import Gateway
 from trajforge.llm.ocr import OcrReader, reader_for
 from trajforge.schemas.config import Settings
@@ -58,7 +58,7 @@ class Workspace:
     def open(cls, settings: Settings) -> Workspace:
         catalog = Catalog.from_settings(settings.warehouse)
         return cls(settings, catalog, BlobStore(catalog.warehouse / "blobs"),
-                   Ledger(catalog.uri, scope=f"{catalog.iceberg.name}/{catalog.namespace}"))
+                   Ledger(catalog.uri, scope=scope_of(catalog.iceberg.name, catalog.namespace)))
 
     def run_tag(self, run_id: str) -> str:
         """The tag a run's versions get: nightly-YYYY-MM-DD for a nightly run, else the run id."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from urllib.parse import urlparse
@@ -13,13 +14,13 @@ from urllib.parse import urlparse
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from test_catalog import lineage, query_row, step_row
+from test_catalog import _purge_postgres, lineage, query_row, step_row
 from test_pipeline import workspace
 
 from trajforge.data.blobs import BlobStore
 from trajforge.data.catalog import Catalog, CorruptData, UnknownRef
-from trajforge.data.ledger import Ledger, ShardRecord
-from trajforge.data.retention import expire
+from trajforge.data.ledger import Ledger, RunLocked, ShardRecord, scope_of
+from trajforge.data.retention import expire, sharing_scopes
 from trajforge.llm.cache import ResponseCache, responses
 from trajforge.llm.calls import Completion
 from trajforge.schemas.records import Checkpoint, Verdict
@@ -119,6 +120,35 @@ def test_expire_keeps_the_screenshots_another_namespace_of_the_warehouse_mention
     assert sorted(p.parent.name + p.name for p in gone.blobs) == sorted([our_old, unused])
     assert their_shot in blobs
     assert theirs.load("steps")["screenshot_before"].to_list() == [their_shot]
+
+
+@pytest.mark.postgres
+def test_expire_waits_for_no_run_of_another_namespace_of_the_warehouse(postgres_url: str, tmp_path: Path) -> None:
+    """The namespaces of one warehouse share its blob store and train/ folder: a run of another namespace storing
+    again a screenshot expire is removing (an old file: the cutoff does not keep it) would commit a row whose image
+    is gone. On PostgreSQL each namespace has its own writer lock, so expire holds every one of them."""
+    name = f"test-{uuid.uuid4().hex}"
+    ours = Catalog(tmp_path / "warehouse", uri=postgres_url, namespace="ours", name=name)
+    theirs = Catalog(tmp_path / "warehouse", uri=postgres_url, namespace="theirs", name=name)
+    try:
+        for catalog in (ours, theirs):
+            catalog.commit_files("steps", [shard(catalog, catalog.namespace, [step_row(catalog.namespace)])],
+                                 lineage(catalog.namespace, stage="rollout", run_id=catalog.namespace))
+        assert sharing_scopes(ours) == [scope_of(name, "theirs")]
+        our_ledger, their_ledger = (Ledger(postgres_url, scope_of(name, ns)) for ns in ("ours", "theirs"))
+        with their_ledger.writing("nightly"):
+            with our_ledger.writing("query_gen"):  # a run of ours alone does not wait for theirs
+                pass
+            with pytest.raises(RunLocked, match=f"{name}/theirs"):
+                with our_ledger.writing("expire", also=sharing_scopes(ours)):
+                    pass
+        with our_ledger.writing("expire", also=sharing_scopes(ours)):
+            with pytest.raises(RunLocked, match=f"{name}/theirs"), their_ledger.writing("nightly"):
+                pass
+        with their_ledger.writing("nightly"), our_ledger.writing("query_gen"):  # both released
+            pass
+    finally:
+        _purge_postgres(postgres_url, name)
 
 
 def test_expire_names_the_table_and_file_of_a_data_file_it_cannot_read(tmp_path: Path) -> None:
