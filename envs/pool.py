@@ -77,8 +77,9 @@ def map_envs(envs: Sequence[Env], fn: Callable[[Env, Item], Result], items: Iter
     """fn(env, item) for every item, in item order, on one worker thread per env, each holding one env
     while it runs; so fn is ordinary blocking code and the envs' browser calls overlap on their host's loop.
 
-    An exception of fn propagates (after the calls already running have finished): env faults are fn's to
-    handle, as `run_episode` does.
+    An exception of fn propagates once the calls already running have finished; the calls not begun are
+    dropped (interface validation's queued page visits ran on, minutes for a crawl whose shard had failed).
+    Env faults are fn's to handle, as `run_episode` does.
     """
     free: queue.SimpleQueue[Env] = queue.SimpleQueue()
     for env in envs:
@@ -92,7 +93,13 @@ def map_envs(envs: Sequence[Env], fn: Callable[[Env, Item], Result], items: Iter
             free.put(env)
 
     with ThreadPoolExecutor(len(envs), thread_name_prefix="env") as workers:
-        return list(workers.map(call, items))
+        futures = [workers.submit(call, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
 
 _warm_lock = threading.Lock()

@@ -28,7 +28,7 @@ from trajforge.data.blobs import BlobRef, BlobStore
 from trajforge.envs.apps import AppServer, BundledApp, load_app
 from trajforge.envs.axtree import parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, recorded_url
-from trajforge.envs.pool import EnvPool, close_warm, warm_envs, warm_scope
+from trajforge.envs.pool import EnvPool, close_warm, map_envs, warm_envs, warm_scope
 from trajforge.envs.spec import AppSpec
 from trajforge.rollout.episode import run_episode
 from trajforge.rollout.replay import ReplayPolicy
@@ -566,3 +566,20 @@ def test_a_click_on_a_piece_of_a_secret_names_its_target_masked(
     assert "S3CR3T" not in bold.name and "481-" not in start.name, (bold, start)
     assert {bold.name, start.name} <= {n.name for n in seen.nodes}  # as the observation names them
     assert bold.name == "<secret>recovery_code</secret>"
+
+
+def test_a_call_that_raises_drops_the_calls_not_begun() -> None:
+    """map_envs raises the first error once the running calls end, without running the queued ones: interface
+    validation's page visits went on for minutes after its shard had failed."""
+    began: list[int] = []
+
+    def visit(env: str, item: int) -> int:
+        began.append(item)
+        if item == 0:
+            raise EnvFault("the start page did not load", "timeout")
+        time.sleep(0.2)  # the queued calls are dropped while this one runs
+        return item
+
+    with pytest.raises(EnvFault, match="start page"):
+        map_envs(["env"], visit, range(20))
+    assert began[0] == 0 and len(began) <= 2
