@@ -18,7 +18,9 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
-SAM_INSTALL = "pip install torch==2.14.1 torchvision==0.29.1 segment-anything"
+SAM_INSTALL = ("pip install torch==2.14.1 torchvision==0.29.1 segment-anything (PyPI's torchvision imports only beside "
+               "that torch, so this replaces the torch 2.13.0 the models extra pins: give SAM a virtual "
+               "environment of its own, as .ci/run's .venv-sam)")
 
 
 class RegionBackendMissing(ImportError):
