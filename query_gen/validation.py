@@ -45,6 +45,7 @@ from secrets import token_hex
 from urllib.parse import quote, urlsplit
 
 from playwright.sync_api import Error as PlaywrightError
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from trajforge.envs import secrets
 from trajforge.envs.browser import BrowserEnv, EnvFault
@@ -206,8 +207,18 @@ class InterfaceValidator:
             self._statuses[url] = self._fetch_status(url)
         return self._statuses[url]
 
-    def _fetch_status(self, url: str, tries: int = 2) -> str | None:
+    def _fetch_status(self, url: str) -> str | None:
         """The app's answer; an app that does not answer (tried twice) is a fault of the environment."""
+        twice = Retrying(stop=stop_after_attempt(2), retry=retry_if_exception_type(OSError), reraise=True)
+        try:
+            return twice(self._answer, url)
+        except OSError as exc:  # no answer at all: refused, reset, timed out (URLError is one)
+            raise EnvFault(f"interface validation of {self.spec.app}: {url} cannot be reached: {exc}",
+                           "app_down") from exc
+
+    def _answer(self, url: str) -> str | None:
+        """Why the page at `url` is not what it shows (an HTTP error, a redirect), or None; OSError where the app
+        does not answer."""
         try:
             with urllib.request.urlopen(self.base_url + url, timeout=self.timeout_s) as response:
                 if response.status >= 400:
@@ -215,13 +226,8 @@ class InterfaceValidator:
                 # A page that sends a fresh session elsewhere (to a sign-in form) is not what its url shows.
                 landed = urlsplit(response.geturl()).path
                 return None if landed == urlsplit(self.base_url + url).path else f"redirected to {landed}"
-        except urllib.error.HTTPError as exc:
+        except urllib.error.HTTPError as exc:  # an answer, though an OSError
             return f"HTTP {exc.code}"
-        except OSError as exc:  # no answer at all: refused, reset, timed out (URLError is one)
-            if tries > 1:
-                return self._fetch_status(url, tries - 1)
-            raise EnvFault(f"interface validation of {self.spec.app}: {url} cannot be reached: {exc}",
-                           "app_down") from exc
 
     def _visit(self, env: BrowserEnv, page: str, route: Route, targets: set[Target]) -> PageVisit:
         """The page's visit, tried once more after a fault; a fault that stays is raised (module docstring)."""

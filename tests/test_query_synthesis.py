@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -256,6 +257,25 @@ def test_an_app_that_does_not_answer_fails_the_crawl_rather_than_dropping_its_qu
     with pytest.raises(EnvFault, match="interface validation of shop: / cannot be reached") as fault:
         InterfaceValidator(shop.spec, base_url, envs).validate(queries)
     assert fault.value.kind == "app_down"
+
+
+@pytest.mark.browser
+def test_a_connection_dropped_once_is_asked_again_and_keeps_the_queries(
+        shop: BundledApp, envs: list[BrowserEnv], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One reset connection on the status check says nothing about the page: the app is asked again."""
+    queries = shop_queries(shop, 3)
+    urlopen, dropped = urllib.request.urlopen, []
+
+    def drops_the_first(url: str, timeout: float) -> object:
+        if not dropped:
+            dropped.append(url)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return urlopen(url, timeout=timeout)
+
+    monkeypatch.setattr(urllib.request, "urlopen", drops_the_first)
+    with AppServer(shop) as srv:
+        result = InterfaceValidator(shop.spec, srv.base_url, envs).validate(queries)
+    assert dropped and result.reasons == {} and result.kept == queries
 
 
 @pytest.mark.browser
