@@ -36,7 +36,7 @@ meanwhile. `dry_run` lists only.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -53,6 +53,7 @@ from trajforge.data.blobs import SHA256, BlobStore
 from trajforge.data.catalog import (
     RUN_ID_KEY,
     Catalog,
+    CorruptData,
     UnknownRef,
     corrupt_file,
     data_folder,
@@ -109,17 +110,32 @@ def _hashes(files: Iterable[Path]) -> set[str]:
     return found
 
 
-def _mentioned(name: str, tbl: Table, versions: Collection[int], files: Iterable[Path]) -> set[str]:
-    """The hashes these files of these versions of a table mention; a file that cannot be read is named with its
-    table and a version that reads it (CorruptData), as `Catalog.load` names it."""
+def _mentioned(files: Iterable[Path], blame: Callable[[Path, Exception], CorruptData]) -> set[str]:
+    """The hashes these files mention; a file that cannot be read stops expire with `blame`'s error, which names it
+    (Arrow's own names no file)."""
     found: set[str] = set()
     for path in sorted(files):
         try:
             found |= _hashes([path])
         except (pa.ArrowException, OSError) as exc:
-            version = next(v for v in sorted(versions) if path in referenced_files(tbl, [v]))
-            raise corrupt_file(name, version, path, exc) from exc
+            raise blame(path, exc) from exc
     return found
+
+
+def _in_version(name: str, tbl: Table, versions: Collection[int]) -> Callable[[Path, Exception], CorruptData]:
+    """A data file's error, naming its table and a version that reads it, as `Catalog.load` names it."""
+    def blame(path: Path, exc: Exception) -> CorruptData:
+        version = next(v for v in sorted(versions) if path in referenced_files(tbl, [v]))
+        return corrupt_file(name, version, path, exc)
+    return blame
+
+
+def _pending_shard(path: Path, exc: Exception) -> CorruptData:
+    """A shard file of a run not finished: its rerun would commit it, so it is read for its screenshots."""
+    why = str(exc).splitlines()[0]
+    return CorruptData(f"shard file {path} of a run not finished cannot be read ({why}); its rerun would fail on it "
+                       "too: run that run's command again with --fresh to set it aside (expire then removes its "
+                       "files), or remove the file and rerun")
 
 
 def sharing_scopes(catalog: Catalog) -> list[str]:
@@ -147,7 +163,7 @@ def _mentioned_elsewhere(catalog: Catalog) -> set[str]:
             tbl = catalog.iceberg.load_table(ident)
             if data_folder(tbl).is_relative_to(catalog.warehouse):
                 versions = [s.snapshot_id for s in tbl.metadata.snapshots]
-                found |= _mentioned(".".join(ident), tbl, versions, referenced_files(tbl, versions))
+                found |= _mentioned(referenced_files(tbl, versions), _in_version(".".join(ident), tbl, versions))
     return found
 
 
@@ -255,9 +271,9 @@ def expire(catalog: Catalog, blobs: BlobStore, ledger: Ledger, older_than: timed
         keep[name] |= _last_of_runs_with_rows(catalog, name, tbl)
     # Read before any version expires: a file that cannot be read stops expire with nothing changed.
     referenced = {name: referenced_files(tbl, keep[name]) for name, tbl in tables.items()}
-    mentioned = _hashes(pending) | _mentioned_elsewhere(catalog)
+    mentioned = _mentioned(pending, _pending_shard) | _mentioned_elsewhere(catalog)
     for name, tbl in tables.items():
-        mentioned |= _mentioned(name, tbl, keep[name], referenced[name])
+        mentioned |= _mentioned(referenced[name], _in_version(name, tbl, keep[name]))
     out = Expiry()
     for name, tbl in tables.items():
         expired = [s.snapshot_id for s in tbl.metadata.snapshots if s.snapshot_id not in keep[name]]

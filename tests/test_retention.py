@@ -293,6 +293,20 @@ def test_the_shard_files_of_a_run_a_fresh_run_set_aside_go(tmp_path: Path) -> No
     assert gone.data_files == [pending] and not pending.exists()
 
 
+def test_expire_names_a_shard_file_of_an_unfinished_run_it_cannot_read(tmp_path: Path) -> None:
+    """A crashed run's recorded shard file is read for the screenshots its rerun will commit; cut short, it gave
+    Arrow's bare "Parquet magic bytes not found", naming no file."""
+    catalog = Catalog(tmp_path / "warehouse")
+    blobs, ledger = BlobStore(catalog.warehouse / "blobs"), Ledger(catalog.uri)
+    crashed = ledger.open_run("nightly", "night").run_id
+    pending = shard(catalog, "pending", [step_row("s9")])
+    ledger.record_shard(crashed, "rollout", ShardRecord("sh1", {"steps": [str(pending)]}, {}, {}, {}, {}, {}))
+    pending.write_bytes(pending.read_bytes()[:100])
+    with pytest.raises(CorruptData, match=f"shard file {pending} of a run not finished cannot be read"):
+        expire(catalog, blobs, ledger, timedelta(0), now=datetime.now(timezone.utc) + timedelta(seconds=5))
+    assert pending.exists()
+
+
 def test_a_half_written_data_file_goes_once_older_than_the_cutoff(tmp_path: Path) -> None:
     """A run killed inside `write_parquet_atomic` leaves `.NAME.parquet.HEX.tmp` beside the data files, which expire
     never removed. One older than the cutoff goes; a younger one, which a writer may still be writing, stays."""
