@@ -5,16 +5,47 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SUDO=""
-if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
-if ! [ -x /usr/bin/chromium ] || ! fc-list 2>/dev/null | grep -qi dejavu; then
-  $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+PYTHON="${PYTHON:-python3.11}"
+IS_311='import sys; assert sys.version_info[:2] == (3, 11)'  # pyproject.toml's requires-python
+# An existing .venv is kept only if whole: `python3.11 -m venv` that failed at ensurepip leaves one without pip,
+# and one made by another Python is refused by requires-python; a rerun that kept either failed again.
+make_venv=""
+if ! .venv/bin/python -c "import pip; $IS_311" 2>/dev/null; then
+  make_venv=1
+  if ! command -v "$PYTHON" >/dev/null; then
+    echo "install.sh: $PYTHON not found; install Python 3.11 (Debian 12: apt-get install python3.11)" \
+      "or name one with PYTHON=/path/to/python3.11" >&2
+    exit 1
+  fi
+  if ! "$PYTHON" -c "$IS_311" 2>/dev/null; then
+    echo "install.sh: $PYTHON is $("$PYTHON" --version 2>&1), not Python 3.11 as pyproject.toml requires;" \
+      "install Python 3.11 or name one with PYTHON=/path/to/python3.11" >&2
+    exit 1
+  fi
 fi
 
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null || PYTHON=python3
-[ -d .venv ] || "$PYTHON" -m venv .venv
+apt_packages=()
+[ -x /usr/bin/chromium ] || apt_packages+=(chromium)
+fc-list 2>/dev/null | grep -qi dejavu || apt_packages+=(fonts-dejavu-core)
+# Debian's own Python lacks ensurepip, which venv needs, until its -venv package is installed (pyenv's has it).
+if [ -n "$make_venv" ] && ! "$PYTHON" -c 'import ensurepip' 2>/dev/null; then
+  apt_packages+=("$(basename "$(command -v "$PYTHON")")-venv")
+fi
+if [ ${#apt_packages[@]} -gt 0 ]; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}" >/dev/null
+fi
+
+if [ -n "$make_venv" ]; then
+  rm -rf .venv
+  if ! "$PYTHON" -m venv .venv; then
+    rm -rf .venv  # half made: without pip
+    echo "install.sh: \`$PYTHON -m venv .venv\` failed (above); on Debian install ${PYTHON##*/}-venv" >&2
+    exit 1
+  fi
+fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned, so that nothing below can pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0

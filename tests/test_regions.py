@@ -79,14 +79,27 @@ SAM_SCRIPT = textwrap.dedent("""
 """)
 
 
+SAM_BUILD_FAILED = "SAM build failed"
+""".ci/run's build writes this as its log's last line when it fails."""
+
+
 def wait_for_environment(python: Path, log: Path, timeout: float = 900) -> None:
     """.ci/run builds SAM_TEST_PYTHON's environment while the suite runs and moves it into place whole: wait for
-    its interpreter, or fail with the build's log."""
+    its interpreter, or fail with the build's log, at once where the log says the build failed."""
+
+    def failed() -> bool:
+        lines = log.read_text().splitlines() if log.is_file() else []
+        return bool(lines) and lines[-1].startswith(SAM_BUILD_FAILED)
+
     try:
-        wait_for(python.exists, timeout, f"SAM_TEST_PYTHON {python}")
+        wait_for(lambda: python.exists() or failed(), timeout, f"SAM_TEST_PYTHON {python}")
     except AssertionError as exc:
-        tail = log.read_text()[-3000:] if log.is_file() else ""
-        pytest.fail(f"{exc}; its build's log:\n{tail}")
+        why = str(exc)
+    else:
+        if python.exists():
+            return
+        why = f"SAM_TEST_PYTHON {python}: its build failed"
+    pytest.fail(f"{why}; its build's log:\n{log.read_text()[-3000:] if log.is_file() else ''}")
 
 
 @pytest.mark.timeout(1200)  # waits up to 900 s for .ci/run's SAM build, to fail with its log rather than a dump
