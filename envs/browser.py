@@ -196,6 +196,12 @@ class EnvFault(RuntimeError):
         self.kind: FaultKind = kind
 
 
+def _origin_of(url: str) -> str:
+    """`url`'s origin as the env compares them: scheme and host with its port, as written."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
 def recorded_url(url: str, origin: str | None) -> str:
     """A page's URL as observations (and so every row) keep it: on `origin`, the origin the env was last reset on,
     its path, query and fragment ("/search?q=pizza"); elsewhere the whole URL. A bundled app answers on a new
@@ -233,36 +239,36 @@ class Observation:
         # generation writes the names it crawls into queries.
         object.__setattr__(self, "url", secrets.mask(self.url))
         object.__setattr__(self, "title", secrets.mask(self.title))
+        # Field by field, never the rendered text: a digit-only secret (a PIN) would also match inside a box's
+        # numbers, or a heading's level, and leave a tree `axtree.parse` cannot read. A node's name and value are
+        # the only page text a line holds (its role and states are Chromium's words, a link's URL is not shown).
         names, named = secrets.mask_pieces([n.name for n in self.nodes])
         values, valued = secrets.mask_pieces([n.value for n in self.nodes])
-        pieces = named | valued
-        tree = render([replace(n, name=names[i], value=values[i]) if i in pieces else n
-                       for i, n in enumerate(self.nodes)] if pieces else self.nodes)
-        masked = secrets.mask(tree)
-        if pieces or masked != tree:  # rare: only then is each node's text looked at
-            object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes(pieces)))
+        held = secrets.holding(names + values)  # a node's name at its index, its value at index + len(nodes)
+        showing = named | valued | {i % len(self.nodes) for i in held}
+        if showing:  # rare: only then are the screenshot and the nodes touched
+            object.__setattr__(self, "png", secrets.cover(self.png, self._secret_boxes(showing)))
             if self.focused is not None:  # its name as its node's, where a piece of a secret was masked there
                 pieced = {n.name: names[i] for i, n in enumerate(self.nodes) if i in named}
                 name = pieced.get(self.focused.name, self.focused.name)
                 object.__setattr__(self, "focused", replace(self.focused, name=secrets.mask(name)))
-            nodes = tuple(replace(n, name=secrets.mask(names[i]), value=secrets.mask(values[i]))
+            nodes = tuple(replace(n, name=secrets.mask(names[i]), value=secrets.mask(values[i])) if i in showing else n
                           for i, n in enumerate(self.nodes))
             object.__setattr__(self, "nodes", nodes)
-            masked = secrets.mask(render(self.nodes))
-        object.__setattr__(self, "ax_tree", masked)
+        object.__setattr__(self, "ax_tree", render(self.nodes))
 
-    def _secret_boxes(self, pieces: set[int]) -> list[PixelBox]:
-        """The boxes of the nodes whose text shows a secret, or a piece of one (the indices in `pieces`). A node
-        without a box of its own (text the tree holds apart from the layout) is covered by its closest ancestor
-        that has one, and with none, the whole screenshot is: a secret is never left on it for want of a
-        place."""
+    def _secret_boxes(self, showing: set[int]) -> list[PixelBox]:
+        """The boxes of the nodes whose text shows a secret, or a piece of one (the indices in `showing`). A node
+        without a box of its own that shows anything (text the tree holds apart from the layout, or a visually
+        hidden field of zero size, as a one-time-code input can be) is covered by its closest ancestor that has
+        one, and with none, the whole screenshot is: a secret is never left on it for want of a place."""
         boxes: list[PixelBox] = []
         path: list[AXNode] = []  # the node's ancestors, closest last
         for i, node in enumerate(self.nodes):
             del path[node.depth:]
-            if i in pieces or secrets.mask(text := f"{node.name}\n{node.value}") != text:
-                box = next((n.box for n in reversed([*path, node]) if n.box is not None),
-                           (0, 0, self.width, self.height))
+            if i in showing:
+                box = next((n.box for n in reversed([*path, node]) if n.box is not None and n.box[2] > 0
+                            and n.box[3] > 0), (0, 0, self.width, self.height))
                 boxes.append(box)
             path.append(node)
         return boxes
@@ -488,6 +494,8 @@ class BrowserEnv:
         self._nav_done = asyncio.Event()
         self._document: tuple[int, str] | None = None
         """The main frame's last document response: (HTTP status, URL)."""
+        self._unreachable: str | None = None
+        """The URL the main frame's last document failed to load (Chromium's error page shows); None after a load."""
         self._broken = False  # a fault happened: the next reset opens a new context
         self._origins: set[str] = set()  # origins the context visited, cleared at reset
         self._seen: tuple[list[dict[str, Any]], Layout, dict[str, str]] = ([], Layout(), {})
@@ -567,6 +575,7 @@ class BrowserEnv:
             await self._context.add_init_script(script=_FIT_DEVICE_WIDTH)
         await self._install_recorder()
         self._page = await self._context.new_page()
+        self._context.on("page", self._on_page)
         self._cdp = await self._context.new_cdp_session(self._page)
         # On this session, so the call arrives before `_settle`'s round trip on it answers; V8 gives a page the
         # binding only with the Runtime domain on (it installs bindings as it reports each new context).
@@ -602,9 +611,29 @@ class BrowserEnv:
             self.validation_failed_at = time.monotonic()
 
     def _on_navigated(self, params: dict[str, Any]) -> None:
-        parts = urlsplit(params["frame"].get("url", ""))
-        if parts.scheme in ("http", "https"):
-            self._origins.add(f"{parts.scheme}://{parts.netloc}")
+        frame = params["frame"]
+        self._visited(frame.get("url", ""))
+        if frame.get("id") == self._main_frame:
+            self._unreachable = frame.get("unreachableUrl")
+
+    def _on_page(self, page: Page) -> None:
+        """Record the origins every other page of the context shows (a link to a new tab, an OAuth window): one
+        that closed itself before the reset, as a sign-in popup does, left its origins' storage behind for the
+        next episode, since only the env's own page is watched on CDP. Playwright hands a popup over once it
+        has its first URL, and tells its later documents, a frame's too."""
+        self._visited(page.url)
+        page.on("framenavigated", lambda frame: self._visited(frame.url))
+
+    def _visited(self, url: str) -> None:
+        """Record `url`'s origin as one the episode visited, whose storage the next reset clears."""
+        if urlsplit(url).scheme in ("http", "https"):
+            self._origins.add(_origin_of(url))
+
+    def _on_app(self, url: str | None) -> bool:
+        """Whether `url`, where a page failed to load, is the app's: on the origin the env was reset on or on one
+        that the `open` action launches. Elsewhere (a dead link to another site) the failure is the agent's
+        page to see, not an env fault. Without a URL to tell, it is taken for the app's."""
+        return url is None or _origin_of(url) in {self._origin, *map(_origin_of, self.apps.values())}
 
     def _on_response(self, response: Response) -> None:
         """Remember the main frame's last document answer: a page that loads with a server error is the app's
@@ -670,8 +699,7 @@ class BrowserEnv:
                     await self._context.close()
             await self._open()
         assert self._context is not None and self._page is not None and self._cdp is not None
-        parts = urlsplit(url)
-        self._home, self._origin = url, f"{parts.scheme}://{parts.netloc}"
+        self._home, self._origin = url, _origin_of(url)
         self._origins = {self._origin}
         if app_protocol:
             await self._context.add_cookies([{"name": SESSION_COOKIE, "value": session_id, "url": self._origin}])
@@ -759,7 +787,8 @@ class BrowserEnv:
         """Screenshot and accessibility tree (with element boxes) of the current page.
 
         Raises EnvFault (app_down) when the page is the browser's error page (the app's server
-        could not be reached) or the app answered its document with a server error (5xx).
+        could not be reached) or the app answered its document with a server error (5xx): the
+        app's, on its origin or an `open` launcher's. Another site's failure is observed as any page.
         """
         obs = self._call(self._observe(), "observe")
         if self.on_observe is not None:
@@ -781,9 +810,9 @@ class BrowserEnv:
         )
         doc, strings = snapshot["documents"][0], snapshot["strings"]
         document_url = strings[doc["documentURL"]] if doc["documentURL"] >= 0 else ""
-        if document_url.startswith("chrome-error://"):
-            raise EnvFault(f"the page could not be loaded ({self._page.url})", "app_down")
-        if self._document is not None and self._document[0] >= 500:
+        if document_url.startswith("chrome-error://") and self._on_app(self._unreachable):
+            raise EnvFault(f"the page could not be loaded ({self._unreachable or self._page.url})", "app_down")
+        if self._document is not None and self._document[0] >= 500 and self._on_app(self._document[1]):
             raise EnvFault(f"the app answered HTTP {self._document[0]} for {self._document[1]}", "app_down")
         png = base64.b64decode(shot["data"])
         if hidden := secrets_off_the_tree(snapshot):

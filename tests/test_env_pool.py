@@ -337,8 +337,8 @@ def test_a_page_that_loads_with_a_server_error_is_an_env_fault_not_a_failed_task
     failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
     threading.Thread(target=failing.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{failing.server_address[1]}/"
-    try:
-        with BrowserEnv(chromium=chromium) as env:
+    try:  # the failing server is one of the env's apps: a 5xx of another site is a page the agent sees
+        with BrowserEnv(chromium=chromium, apps={"Failing": url}) as env:
             env.reset("s500", url)
             with pytest.raises(EnvFault, match=f"HTTP 500 for {url}") as fault:
                 env.observe()
