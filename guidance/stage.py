@@ -113,19 +113,25 @@ def _masked(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A demonstration's steps with every secret set in this process masked, as a rollout's steps are: a person
     types the password itself where a policy types its placeholder, and what the recorder kept of the page may
     show it. Whole in any field and in pieces across the same field of the steps (a code typed a digit a step:
-    `secrets.mask_json`, which reads each action's fields), and in each tree in pieces across its nodes' names and
-    across their values, as `envs.browser.Observation` masks a live one."""
+    `secrets.mask_json`, which reads each action's fields), and in each tree node by node, whole and in pieces
+    across its nodes' names and across their values, as `envs.browser.Observation` masks a live one. Never the
+    rendered tree whole: a PIN's digits inside a node's box numbers were masked, and the tree no longer parsed."""
+    trees = []
     for step in steps:
         step["action_json"] = json.loads(step["action_json"])
-        for field in ("ax_tree_before", "ax_tree_after"):
-            nodes = parse(step[field])
-            names, _ = secrets.mask_pieces([n.name for n in nodes])
-            values, _ = secrets.mask_pieces([n.value for n in nodes])
-            step[field] = render(replace(n, name=names[i], value=values[i]) for i, n in enumerate(nodes))
+        trees.append({field: _masked_tree(step.pop(field)) for field in ("ax_tree_before", "ax_tree_after")})
     masked: list[dict[str, Any]] = secrets.mask_json(steps)
-    for step in masked:
+    for step, tree in zip(masked, trees, strict=True):
         step["action_json"] = json.dumps(step["action_json"])
+        step.update(tree)
     return masked
+
+
+def _masked_tree(text: str) -> str:
+    nodes = parse(text)
+    names, _ = secrets.mask_pieces([n.name for n in nodes])
+    values, _ = secrets.mask_pieces([n.value for n in nodes])
+    return render(replace(n, name=secrets.mask(names[i]), value=secrets.mask(values[i])) for i, n in enumerate(nodes))
 
 
 def guide(units: list[HardQuery], *, run_id: str, describer: Describer, replay: Replayer | None,
