@@ -304,6 +304,15 @@ def _commit_file_stem(commit_key: str) -> str:
     return f"{readable}-{tail}" if readable else tail
 
 
+NIGHTLY_TAG = re.compile(r"nightly-\d{4}-\d{2}-\d{2}")
+"""The tag a nightly run gives its versions (`nightly_tag`); one a person gives, `nightly-best`, is not one."""
+
+
+def nightly_tag(started_at: datetime) -> str:
+    """The tag of a nightly run started then: its day, so tags sort by date."""
+    return f"nightly-{started_at:%Y-%m-%d}"
+
+
 def can_be_tag(name: str) -> bool:
     """Whether a ref's version part can name a tag: not empty, `latest`, a snapshot id, or holding an `@`."""
     return bool(name) and "@" not in name and name != "latest" and not re.fullmatch(r"-?\d+", name)
@@ -922,16 +931,31 @@ class Catalog:
                 tbl.refresh()
                 ExpireSnapshots(transaction=_Transaction(tbl, autocommit=True)).by_ids(ids).commit()
 
-    def diff(self, table: str, a: int | str | None, b: int | str | None) -> TableDiff:
-        """Compare two versions on the table's key column.
+    def diff(self, table: str, a: int | str | None, b: int | str | None, *,
+             columns: Sequence[str] | None = None) -> TableDiff:
+        """Compare two versions on the table's key column, reading only `columns` (and the key) when given: a
+        training table's versions hold every night's screenshots, which a look at what changed need not read.
 
-        Columns that exist in only one of the versions (schema evolution) are not compared.
+        Columns that exist in only one of the versions (schema evolution) are not compared; a named column that
+        neither version nor the table's schema has is an UnknownColumn.
         """
         name_a, id_a = self.resolve(self._ref(table, a))  # first: an unknown table is an UnknownRef naming it
         _, id_b = self.resolve(self._ref(table, b))
-        key = record_model(table).key
-        df_a = self._collect(name_a, id_a, self._scan(name_a, id_a))
-        df_b = self._collect(name_a, id_b, self._scan(name_a, id_b))
+        model = record_model(table)
+        key = model.key
+        scan_a, scan_b = self._scan(name_a, id_a), self._scan(name_a, id_b)
+        if columns is not None:
+            have_a, have_b = scan_a.collect_schema().names(), scan_b.collect_schema().names()
+            known = list(dict.fromkeys([*model.model_fields, *have_a, *have_b]))
+            if unknown := [c for c in columns if c not in known]:
+                raise UnknownColumn(f"{name_a} has no column named {' or '.join(map(repr, unknown))}; its columns: "
+                                    + ", ".join(known))
+            wanted = list(dict.fromkeys([key, *columns]))
+            # A column the table's schema gained after a version was written is not in that version.
+            scan_a = scan_a.select([c for c in wanted if c in have_a])
+            scan_b = scan_b.select([c for c in wanted if c in have_b])
+        df_a = self._collect(name_a, id_a, scan_a)
+        df_b = self._collect(name_a, id_b, scan_b)
         added = df_b.join(df_a.select(key), on=key, how="anti")
         removed = df_a.join(df_b.select(key), on=key, how="anti")
         common = [c for c in df_a.columns if c in df_b.columns and c != key]

@@ -22,7 +22,7 @@ import polars as pl
 from PIL import Image, ImageDraw
 
 from trajforge.data.blobs import BlobStore
-from trajforge.data.catalog import CATALOG_FILE, Catalog
+from trajforge.data.catalog import CATALOG_FILE, NIGHTLY_TAG, Catalog
 from trajforge.schemas.config import load_settings
 from trajforge.schemas.records import RECORDS, ChatSample, TrainingStep
 
@@ -95,7 +95,7 @@ def night_labels(catalog: Catalog, table: str) -> dict[str, str]:
         if info.run_id is None:
             continue
         labels.setdefault(info.run_id, info.run_id)
-        labels[info.run_id] = next((t for t in info.tags if t.startswith("nightly-")), labels[info.run_id])
+        labels[info.run_id] = next((t for t in info.tags if NIGHTLY_TAG.fullmatch(t)), labels[info.run_id])
     return labels
 
 

@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from trajforge.data.blobs import BlobStore
-from trajforge.data.catalog import Catalog
+from trajforge.data.catalog import Catalog, nightly_tag
 from trajforge.data.ledger import Ledger, scope_of
 from trajforge.llm import Gateway
 from trajforge.llm.ocr import OcrReader, reader_for
@@ -63,4 +63,4 @@ class Workspace:
     def run_tag(self, run_id: str) -> str:
         """The tag a run's versions get: nightly-YYYY-MM-DD for a nightly run, else the run id."""
         run = self.ledger.get_run(run_id)
-        return f"nightly-{run.started_at:%Y-%m-%d}" if run.flow == "nightly" else run_id
+        return nightly_tag(run.started_at) if run.flow == "nightly" else run_id

@@ -471,6 +471,40 @@ def test_diff(catalog: Catalog) -> None:
     assert catalog.diff("queries", b, b).n_changed == 0
 
 
+def test_diff_reads_and_compares_only_the_columns_asked_for(catalog: Catalog) -> None:
+    """A training table's versions hold every night's screenshots: a diff that names its columns reads those and
+    the key, and compares only those."""
+    a = catalog.commit_rows("steps", [step_row("s1"), step_row("s2")], lineage("r-1", "rollout"))
+    rows_b = [step_row("s1", thought="another thought"), step_row("s2", action_type="type"), step_row("s3")]
+    b = catalog.commit_rows("steps", rows_b, lineage("r-2", "rollout"), mode="overwrite")
+
+    diff = catalog.diff("steps", a, b, columns=["action_type", "episode_id"])
+
+    assert diff.added.columns == ["step_id", "action_type", "episode_id"]
+    assert diff.added["step_id"].to_list() == ["s3"]
+    assert diff.changed == ["s2"], "the thought is not compared"
+    with pytest.raises(UnknownColumn, match=r"steps has no column named 'app'; its columns: run_id, step_id"):
+        catalog.diff("steps", a, b, columns=["step_id", "app"])
+
+
+def test_diff_of_versions_older_than_a_column_it_names(catalog: Catalog) -> None:
+    """A column the table's schema has but both versions predate is no error (a notebook asks every warehouse for
+    the same columns); it is not read, as a column only one version has is not compared."""
+    narrow = arrow_schema(Step).remove(arrow_schema(Step).get_field_index("target_role"))
+    old_table = catalog.iceberg.create_table(
+        (catalog.namespace, "steps"), schema=narrow, properties={**TABLE_PROPERTIES, "trajforge.schema_version": "1"}
+    )
+    versions = []
+    for rows in ([step_row("s1")], [step_row("s1"), step_row("s2")]):
+        old_table.append(to_arrow("steps", rows).select(narrow.names).cast(narrow))
+        versions.append(old_table.current_snapshot().snapshot_id)  # type: ignore[union-attr]
+
+    diff = catalog.diff("steps", *versions, columns=["action_type", "target_role"])
+
+    assert diff.added.columns == ["step_id", "action_type"]
+    assert diff.added["step_id"].to_list() == ["s2"]
+
+
 def test_schema_evolution_adds_optional_columns(catalog: Catalog) -> None:
     """A table built by an older model (without the target_* fields) gains them on next use."""
     added = {"target_role", "target_name"}

@@ -56,6 +56,7 @@ def test_notebook_runs_on_a_night(path, replay_night, tmp_path, monkeypatch):
         text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
         assert f"train_e2e@{tag}" in text
         assert "only one night has written train_e2e" in text, "the replay night is the catalog's only night"
+        assert "episodes accepted; showing" in text, "the replay policy's episodes are accepted"
         trajectory = outputs(nb, "trajectory")
         images = [o for o in trajectory if "image/png" in o.get("data", {})]
         steps = [o for o in trajectory if "**step " in o.get("data", {}).get("text/markdown", "")]
@@ -63,23 +64,43 @@ def test_notebook_runs_on_a_night(path, replay_night, tmp_path, monkeypatch):
         assert any("image/png" in o.get("data", {}) for o in outputs(nb, "success-plot"))
 
 
-@pytest.mark.parametrize("tagged", [False, True], ids=["before-the-first-nightly", "a-night-that-judged-nothing"])
-def test_nights_notebook_says_when_there_is_no_night_to_show(tagged, tmp_path, monkeypatch, no_config_env):
-    """Before the first nightly (stages run by hand) no version is tagged nightly-...; a second night on the same
-    queries rolls none again, so its verdicts version is empty. Either way the notebook says so and runs on."""
+REJECTED = "the checker found no note titled groceries"
+
+
+@pytest.mark.parametrize("night", ["no-night-yet", "before-the-first-nightly", "a-night-that-judged-nothing",
+                                   "a-night-that-accepted-nothing"])
+def test_nights_notebook_says_what_there_is_to_show(night, tmp_path, monkeypatch, no_config_env):
+    """Before any night no version of train_e2e exists; before the first nightly (stages run by hand) no version is
+    tagged nightly-...; a second night on the same queries rolls none again, so its verdicts version is empty; a
+    night on the defaults accepts no episode, so the trajectory shown is a rejected one. Each time the notebook
+    says so and runs on. A person's tag `nightly-best` is no night's: it sorts after every date."""
+    from trajforge.schemas.records import Verdict
+
     (tmp_path / "trajforge.yaml").write_text("warehouse:\n  path: store\n")
+    tagged = night in ("a-night-that-judged-nothing", "a-night-that-accepted-nothing")
+    verdicts = [Verdict(run_id="night", verdict_id="night:ep-1", episode_id="ep-1", query_id="q1", success=False,
+                        consensus="checker_first", channels_json="{}", reason=REJECTED, config_hash="x")]
     with Catalog(tmp_path / "store") as catalog:
-        for table in ("train_e2e", "verdicts"):
-            snapshot = catalog.commit_rows(table, [], lineage(f"night:{table}", "export", run_id="night"))
-            if tagged:
-                catalog.tag(table, snapshot, "nightly-2026-11-22")
+        catalog.commit_rows("queries", [query_row("q1")], lineage("q"))
+        if night != "no-night-yet":
+            for table, rows in (("train_e2e", []), ("steps", []),
+                                ("verdicts", verdicts if night == "a-night-that-accepted-nothing" else [])):
+                snapshot = catalog.commit_rows(table, rows, lineage(f"night:{table}", "export", run_id="night"))
+                if tagged:
+                    catalog.tag(table, snapshot, "nightly-2026-11-22")
+                    catalog.tag(table, snapshot, "nightly-best")
     nb = run_notebook(NOTEBOOKS_DIR / "nights.ipynb", tmp_path, tmp_path / "jupyter", monkeypatch)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    if night == "no-night-yet":
+        assert "no night has written train_e2e yet" in text and "(none)" not in text
     if tagged:
         assert "train_e2e@nightly-2026-11-22: 0 rows" in text
-        assert "verdicts@nightly-2026-11-22: the night judged no episode" in text
     else:
         assert "no version is tagged nightly-YYYY-MM-DD" in text and "no trajectory to show" in text
+    if night == "a-night-that-judged-nothing":
+        assert "verdicts@nightly-2026-11-22: the night judged no episode" in text
+    if night == "a-night-that-accepted-nothing":
+        assert f"verdicts@nightly-2026-11-22: no episode was accepted; showing a rejected one: {REJECTED}" in text
 
 
 def test_nights_notebook_is_stored_without_outputs():
