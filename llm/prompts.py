@@ -3,7 +3,10 @@
 A prompt is data, not code: a stage's output rows and its snapshot lineage name the
 template and version that asked, so a change of wording is a new version that can be
 compared with the old one, and the response cache never answers the new wording with
-the old one's answers. A file looks like:
+the old one's answers. The version recorded is the file's `version:`, a `+` and the first
+8 hex digits of the file's sha256 (`"2+1f0c9a7e"`): edits have shipped without a bump of
+`version:` (a rewritten instruction, a new answer format), and rows written before and
+after one must not name the same prompt. A file looks like:
 
     version: "2"
     description: why this prompt exists
@@ -130,6 +133,7 @@ def load_prompt(name: str, folder: Path = PROMPTS_DIR) -> Prompt:
     """The template `folder/<name>.yaml`, checked whole: a bad template fails before any call."""
     path = Path(folder) / f"{name}.yaml"
     try:
+        content = path.read_bytes()
         data = read_yaml(path)
     except OSError as exc:
         raise PromptError(f"{path}: cannot read prompt {name!r}: {exc.strerror or exc}") from None
@@ -146,4 +150,5 @@ def load_prompt(name: str, folder: Path = PROMPTS_DIR) -> Prompt:
             compiled.append((message, _JINJA.from_string(message.content)))
         except jinja2.TemplateSyntaxError as exc:
             raise PromptError(f"{path}: messages[{i}].content line {exc.lineno}: {exc.message}") from None
-    return Prompt(name, spec.version, spec.format, spec.sampling, path, tuple(compiled))
+    version = f"{spec.version}+{digest(content, 8)}"  # names the text itself: module docstring
+    return Prompt(name, version, spec.format, spec.sampling, path, tuple(compiled))

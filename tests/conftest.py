@@ -23,6 +23,7 @@ from trajforge.envs.apps import AppServer, BundledApp, load_app
 from trajforge.envs.browser import BrowserEnv, Observation
 from trajforge.llm import Gateway
 from trajforge.llm.local import missing_models
+from trajforge.llm.prompts import PACKAGE_ROOT, load_prompt
 from trajforge.rollout.policy import PolicyOutput
 from trajforge.schemas.config import LLMSettings
 from trajforge.schemas.records import Query
@@ -38,6 +39,18 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 CHROMIUM = Path("/usr/bin/chromium")
+
+
+def prompt_version(name: str) -> str:
+    """The version rows record for the shipped prompt `name` (its `version:`, `+`, a digest of its file): tests
+    name it so, not as a literal "1", which an edit of the file changes."""
+    (path,) = PACKAGE_ROOT.glob(f"*/prompts/{name}.yaml")
+    return load_prompt(name, path.parent).version
+
+
+def prompt_versions(*names: str) -> str:
+    """`name@version` of each prompt, comma-separated, as a row's `prompt_version` names them."""
+    return ",".join(f"{name}@{prompt_version(name)}" for name in names)
 
 
 def require(condition: bool, reason: str) -> None:

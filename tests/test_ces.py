@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import prompt_version, prompt_versions
 from scripted import ScriptedServer, completion, message_text, notes_workspace
 from starlette.requests import Request
 from starlette.responses import Response
@@ -308,7 +309,7 @@ def test_coordinator_groups_score_each_instruction_through_the_executor(scored):
         assert json.loads(g.trusted_action_json) == trusted_action(step)
         messages = json.loads(g.messages_json)
         assert [m["role"] for m in messages] == ["system", "user"] and len(g.images) == 1
-        assert g.prompt_versions == "ces_coordinator@1,ces_executor@1" and g.model_id == "scripted"
+        assert g.prompt_versions == prompt_versions("ces_coordinator", "ces_executor") and g.model_id == "scripted"
     assert any(g.rewards[1] == pytest.approx(0.28) for g in groups)  # a click step missed: type right, point not
     # The executor: the ceiling and the floor per step, then each instruction a candidate gave (3 of 4 per group).
     tracker = out.rows["ces_state_tracker_rl"]
@@ -334,7 +335,7 @@ def test_state_tracker_groups_exist_for_every_step_after_the_first(scored):
         assert g.instructions[1] == CORNER and g.instructions[0] == g.instructions[3] != CORNER
         assert g.rewards[0] == g.rewards[3] == pytest.approx(1.0) and g.rewards[2] == 0.0
         assert not g.zero_variance and g.images == [] and len(g.step_images) == 1
-        assert g.prompt_versions == "ces_state_tracker@1,ces_coordinator@1,ces_executor@1"
+        assert g.prompt_versions == prompt_versions("ces_state_tracker", "ces_coordinator", "ces_executor")
     assert out.stats["state tracker: step 0 has no earlier step"] == len(units)
 
 
@@ -370,7 +371,7 @@ def test_the_stage_through_the_runner_counts_rewards_ceiling_and_floor_and_names
     out = run_inline(ces.STAGE, ws, run, snapshots["steps"])
     assert len(ws.catalog.load("ces_coordinator_rl", out["ces_coordinator_rl"])) == 2
     lineage = ws.catalog.lineage("ces_coordinator_rl", out["ces_coordinator_rl"])
-    assert lineage.prompts == {"ces_coordinator": "1", "ces_executor": "1", "ces_state_tracker": "1"}
+    assert lineage.prompts == {n: prompt_version(n) for n in ("ces_coordinator", "ces_executor", "ces_state_tracker")}
     assert lineage.stats["steps scored"] == 2 and lineage.stats["coordinator candidates"] == 8
     assert lineage.stats["executor success given the trusted instruction"] == 2
     assert lineage.stats["executor success given the task"] == 0

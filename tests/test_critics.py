@@ -19,7 +19,7 @@ from typing import Any
 
 import networkx as nx
 import pytest
-from conftest import ScriptedPolicy, require
+from conftest import ScriptedPolicy, prompt_version, prompt_versions, require
 from PIL import Image, ImageDraw, ImageFont
 from scripted import Reply, ScriptedServer
 
@@ -179,7 +179,8 @@ def test_step_critic_records_unparsed_answers_and_failed_calls(recorded):
         out = judge([episodes["replay"]], run_id="r", settings=settings, config_hash="h",
                     checker_for=checker_for, blobs=blobs, gateway=gw)
     first, second, third = out.rows["step_critiques"][:3]
-    assert (first.label, first.raw_output, first.critic) == (None, "GOOD, it opened the page", "critic_step@1")
+    assert (first.label, first.raw_output) == (None, "GOOD, it opened the page")
+    assert first.critic == prompt_versions("critic_step")
     assert first.parse_error.startswith("not one JSON object")
     assert first.summary.startswith("click"), "an unusable answer leaves the action as the history's summary"
     assert second.label is None and "no answer" in second.parse_error and "BadRequestError" in second.parse_error
@@ -235,7 +236,7 @@ def test_multimodal_channel_sends_the_screenshots_to_a_vision_endpoint(recorded)
     assert channels["text"] == {**channels["text"], "answer": None, "asked": False}
     assert channels["checker"]["answer"] == "success" and verdict.success
     assert out.models["trajectory_multimodal"] == "scripted-vl"
-    assert out.prompts["critic_trajectory_multimodal"] == "1"
+    assert out.prompts["critic_trajectory_multimodal"] == prompt_version("critic_trajectory_multimodal")
 
 
 def test_multimodal_channel_is_not_asked_of_a_model_without_vision(recorded):
@@ -268,14 +269,14 @@ def test_step_critic_and_text_channel_on_the_embedded_model(recorded):
                     checker_for=checker_for, blobs=blobs, gateway=gw)
         assert gw.stats.calls == 4
     critiques = out.rows["step_critiques"]
-    asked = [c for c in critiques if c.critic == "critic_step@1"]
+    asked = [c for c in critiques if c.critic == prompt_versions("critic_step")]
     assert len(asked) == 3 and critiques[-1].critic == "prefilter@2"
     for c in asked:
         assert c.observation_mode == "ocr" and c.model_id != "none" and c.raw_output
         assert c.annotated_screenshot in blobs and c.annotated_screenshot != c.step_id
         assert (c.label is None) == (c.parse_error is not None), "a label, or the reason there is none"
     text = json.loads(out.rows["verdicts"][0].channels_json)["text"]
-    assert text["asked"] and text["prompt_version"] == "1" and text["raw_output"]
+    assert text["asked"] and text["prompt_version"] == prompt_version("critic_trajectory_text") and text["raw_output"]
     assert text["answer"] in ("success", "failure") or text["reason"].startswith("unparsed answer")
     assert out.models["trajectory_text"] == text["model_id"]
 

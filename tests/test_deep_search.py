@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import prompt_version, prompt_versions
 
 from trajforge.data.blobs import BlobStore
 from trajforge.envs.apps import AppServer, BundledApp, load_app
@@ -34,7 +35,7 @@ from trajforge.query_gen.deep_search import (
 from trajforge.rollout.stage import rollout
 from trajforge.schemas.config import RolloutSettings
 
-MODEL_GENERATOR = f"{SMOLLM2_ID}+deep_search_selection@1+deep_search_command@1"
+MODEL_GENERATOR = f"{SMOLLM2_ID}+" + prompt_versions("deep_search_selection", "deep_search_command").replace(",", "+")
 
 EXPECTED: list[tuple[str, str, str]] = [
     # (the clicks, what the last one opened, its name)
@@ -223,7 +224,7 @@ def test_query_rows_follow_the_models_decision(gateway: Gateway) -> None:
         out = pathway_queries("writer", "editor", result, run_id="r", app_title="Writer", commander=commander,
                               selection=selection)
         assert out.models == {"deep_search_model": SMOLLM2_ID}
-        assert out.prompts == {"deep_search_selection": "1", "deep_search_command": "1"}
+        assert out.prompts == {n: prompt_version(n) for n in ("deep_search_selection", "deep_search_command")}
         if out.dropped == {"writer: selection decision did not parse": 1}:
             continue  # recorded, not guessed
         needs = out.stats["writer: model says: needs a selection"] == 1

@@ -12,6 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import prompt_version
 from PIL import Image
 from test_pipeline import workspace
 
@@ -53,7 +54,8 @@ def test_one_row_per_good_or_neutral_step_of_an_accepted_trajectory(night):
     p_succ = ws.catalog.load("query_history").group_by("query_id").agg(pl.col("success").mean())
     assert set(data["p_succ"].to_pylist()) <= set(p_succ["success"].to_list())
     lineage = ws.catalog.lineage("train_e2e", tag)
-    assert lineage.kept == {"train_e2e": len(expected)} and lineage.prompts == {"gui_owl_e2e": "1"}
+    assert lineage.kept == {"train_e2e": len(expected)}
+    assert lineage.prompts == {"gui_owl_e2e": prompt_version("gui_owl_e2e")}
 
 
 def test_messages_are_qwen_chat_with_the_action_as_a_function_call_and_images_decode(night):
@@ -131,7 +133,7 @@ def test_an_accepted_episode_judged_again_with_a_step_now_harmful_loses_that_ste
         lineage = ws.catalog.lineage("train_e2e", snapshots["train_e2e"])
         if n == 0:
             assert sorted(rows["step_id"]) == ["e:0", "e:1"]
-            assert lineage.prompts == {"gui_owl_e2e": "1", "mobile_agent_notetaker": "1"}
+            assert lineage.prompts == {n: prompt_version(n) for n in ("gui_owl_e2e", "mobile_agent_notetaker")}
             assert ws.catalog.load("train_notetaker")["step_id"].to_list() == ["e:0"]
         elif n == 1:
             assert rows["step_id"].to_list() == ["e:0"] and rows["run_id"].to_list() == [lineage.run_id]

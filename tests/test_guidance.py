@@ -12,7 +12,7 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import require
+from conftest import prompt_versions, require
 from PIL import Image
 from scripted import Reply, ScriptedServer, message_text
 
@@ -174,7 +174,7 @@ def test_model_describer_names_its_model_prompts_and_observation_mode(tmp_path):
     assert distilled.model_id != "template" and distilled.observation_mode.startswith("ocr")
     assert row is not None  # the click opened Settings as its thought meant: a step is kept, a row written
     assert row.describer == distilled.model_id
-    assert row.prompt_version == "guidance_outcome@1,guidance_summary@1"
+    assert row.prompt_version == prompt_versions("guidance_outcome", "guidance_summary")
     assert row.text.split("\nEssential steps:\n")[0]  # the model's summary comes first
 
 
@@ -499,20 +499,3 @@ def test_a_line_separator_inside_a_demonstrations_text_is_text_not_a_new_line(tm
         ensure_ascii=False) + "\n")
     [entry] = load_demonstrations(path)
     assert entry["instruction"] == "Open 'Terms\u2028Privacy'"
-
-
-def test_a_pin_in_a_demonstration_is_masked_in_its_tree_and_not_in_the_boxes(tmp_path, monkeypatch):
-    """A digit-only secret was masked in the rendered tree whole, so inside the box numbers too: the tree of a
-    phone screen 412 wide stopped parsing once a PIN of 412 was set."""
-    monkeypatch.setenv("TRAJFORGE_SECRET_PIN", "412")
-    shown = 'RootWebArea "Unlock" (0,0,412,915)\n  textbox "PIN" value="412" (10,10,90,20)'
-    path = tmp_path / "demos.jsonl"
-    path.write_text(json.dumps({"query_id": "q", "instruction": "Unlock the phone", "steps": [
-        {"action_type": "type", "action_json": json.dumps({"text": "412"}), "thought": "type the PIN",
-         "title_before": "Home", "title_after": "Unlock", "ax_tree_before": TREE_HOME, "ax_tree_after": shown}]})
-        + "\n")
-    [entry] = load_demonstrations(path)
-    [demo_step] = json.loads(entry["steps_json"])
-    assert demo_step["ax_tree_after"] == ('RootWebArea "Unlock" (0,0,412,915)\n'
-                                         '  textbox "PIN" value="<secret>pin</secret>" (10,10,90,20)')
-    assert json.loads(demo_step["action_json"]) == {"text": "<secret>pin</secret>"}

@@ -11,8 +11,9 @@ from pydantic import BaseModel
 
 from trajforge.llm import ImagePart, PromptError, Sampling, load_prompt
 from trajforge.llm.cache import cache_key
-from trajforge.llm.prompts import PROMPTS_DIR
+from trajforge.llm.prompts import PACKAGE_ROOT, PROMPTS_DIR
 from trajforge.llm.structured import ParseError, parse
+from trajforge.schemas.ids import digest
 
 JUDGE = """
 version: 3
@@ -49,7 +50,7 @@ def judge(tmp_path):
 def test_render_names_template_version_and_places_images(judge):
     image = png()
     rendered = judge.render(task="open settings", screenshots=[image])
-    assert (rendered.template, rendered.version, rendered.format) == ("judge", "3", "json")
+    assert (rendered.template, rendered.version, rendered.format) == ("judge", f"3+{digest(JUDGE, 8)}", "json")
     assert rendered.sampling == Sampling(max_tokens=40)
     system, user = rendered.messages
     assert system.text == "You judge steps."
@@ -82,6 +83,20 @@ def test_bad_template_file_names_file_and_field(tmp_path):
 def test_image_given_by_bad_hash_is_refused(judge):
     with pytest.raises(PromptError, match=r"images \(screenshots\)"):
         judge.render(task="x", screenshots=["not-a-hash"])
+
+
+def test_an_edit_without_a_version_bump_is_a_new_recorded_version(tmp_path):
+    """reasoning_act's instruction was rewritten at `version: "1"`: rows from before and after must differ."""
+    shipped = (PACKAGE_ROOT / "synth/prompts/reasoning_act.yaml").read_text()
+    (tmp_path / "reasoning_act.yaml").write_text(shipped)
+    first = load_prompt("reasoning_act", tmp_path)
+    assert load_prompt("reasoning_act", tmp_path).version == first.version, "the same file, the same version"
+    edited = shipped.replace("Read the reasoning", "Study the reasoning", 1)
+    assert edited != shipped
+    (tmp_path / "reasoning_act.yaml").write_text(edited)
+    second = load_prompt("reasoning_act", tmp_path)
+    assert second.version != first.version
+    assert first.version.split("+")[0] == second.version.split("+")[0], "the declared `version:` still leads"
 
 
 def test_shipped_templates_load():

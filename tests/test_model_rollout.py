@@ -17,7 +17,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import require
+from conftest import prompt_version, prompt_versions, require
 from test_rollout import make_query
 
 from trajforge.llm.local import SMOLLM2_ID, missing_models
@@ -66,11 +66,12 @@ def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embe
     episodes = ws.catalog.load("episodes").filter(pl.col("source").is_null() | (pl.col("source") != "reference"))
     episode = episodes.row(0, named=True)
     assert episode["policy"] == "gui_owl_e2e" and episode["model_id"] == SMOLLM2_ID
-    assert episode["prompt_version"] == "gui_owl_e2e@1"
+    assert episode["prompt_version"] == prompt_versions("gui_owl_e2e")
     steps = ws.catalog.load("steps").filter(pl.col("episode_id").is_in(episodes["episode_id"].to_list()))
     assert steps.height >= 1
     calls = calls_of(steps)
-    assert {(c["template"], c["template_version"], c["model_id"]) for c in calls} == {("gui_owl_e2e", "1", SMOLLM2_ID)}
+    assert {(c["template"], c["template_version"], c["model_id"]) for c in calls} == {
+        ("gui_owl_e2e", prompt_version("gui_owl_e2e"), SMOLLM2_ID)}
     assert set(steps["observation_mode"]) == {"ocr+ax"}  # a text-only model saw OCR text, and says so
     assert not any(c["cached"] for c in calls)
     # held to its format while decoding: no unparsable answer, no invalid action (a wrong one, maybe)
@@ -80,7 +81,8 @@ def test_nightly_runs_the_end_to_end_policy_on_the_embedded_model(tmp_path, embe
     assert f"{steps.height} policy steps, {steps.height} (100%) with a valid action" in report
     assert f"rollout: {steps.height} policy steps, {steps.height} (100%) with a valid action" in said
     lineage = ws.catalog.lineage("episodes")
-    assert lineage.models["policy_model"] == SMOLLM2_ID and lineage.prompts == {"gui_owl_e2e": "1"}
+    assert lineage.models["policy_model"] == SMOLLM2_ID
+    assert lineage.prompts == {"gui_owl_e2e": prompt_version("gui_owl_e2e")}
     assert ws.catalog.load("verdicts").height == episodes.height
 
     # The same stage over the same queries again: the attempts are in the warehouse, so nothing is rolled;
@@ -191,8 +193,8 @@ def test_mobile_agent_records_every_role_per_step(tmp_path, embedded, chromium, 
         assert "reflector" in second and second["manager"]["inputs"]["last_action"] != ""
     assert {c["template"] for s in steps for c in json.loads(s.model_calls_json)} <= {
         "mobile_agent_manager", "mobile_agent_worker", "mobile_agent_reflector", "mobile_agent_notetaker"}
-    assert out.prompts == {"mobile_agent_manager": "1", "mobile_agent_worker": "1",
-                           "mobile_agent_reflector": "1", "mobile_agent_notetaker": "1"}
+    assert out.prompts == {f"mobile_agent_{role}": prompt_version(f"mobile_agent_{role}")
+                           for role in ("manager", "worker", "reflector", "notetaker")}
 
 
 def test_rollout_pointed_at_an_endpoint_sends_its_calls_there(tmp_path, embedded, chromium, shop, server):

@@ -15,6 +15,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from conftest import prompt_version, prompt_versions
 from llguidance import LLMatcher
 from scripted import ScriptedServer, completion, message_parts, message_text, notes_workspace
 from starlette.requests import Request
@@ -133,13 +134,14 @@ def test_a_teacher_that_looks_back_and_gives_the_trusted_action_is_kept_with_its
     for r in rows:
         assert r["kept"] and r["matched"] and r["retrieved_step"] == 0 and r["distance"] == r["step_index"]
         assert r["trusted"] == "reference" and r["checker"] and r["model_id"] == "scripted"
-        assert r["prompt_version"] == "pal_ui_teacher@1,pal_ui_act@1"
+        assert r["prompt_version"] == prompt_versions("pal_ui_teacher", "pal_ui_act")
         assert json.loads(r["predicted_action_json"]) == json.loads(r["trusted_action_json"])
         assert json.loads(r["deliberation_json"])["retrieve"] == 0
         memory = json.loads(r["memory_json"])
         assert [m["step_index"] for m in memory] == list(range(r["step_index"]))
         assert {(m["caption"], m["validation"], m["caption_model"], m["caption_prompt"], m["validation_prompt"])
-                for m in memory} == {(CAPTION, VALIDATION, "scripted", "pal_ui_caption@1", "pal_ui_validate@1")}
+                for m in memory} == {(CAPTION, VALIDATION, "scripted", prompt_versions("pal_ui_caption"),
+                                      prompt_versions("pal_ui_validate"))}
         assert r["retrieved_screenshot"] == memory[0]["screenshot"]
     # one caption and one validation per earlier step; the action call saw o_i and o_j
     memos = sum(r["step_index"] for r in rows)
@@ -148,7 +150,8 @@ def test_a_teacher_that_looks_back_and_gives_the_trusted_action_is_kept_with_its
     assert [images for n, images in asked if n == "act"] == [2, 2, 2]
     assert [images for n, images in asked if n == "validate"] == [2] * shared
     lineage = ws.catalog.lineage("pal_ui_teacher", teacher["pal_ui_teacher"])
-    assert lineage.prompts == {"pal_ui_caption": "1", "pal_ui_validate": "1", "pal_ui_teacher": "1", "pal_ui_act": "1"}
+    names = ("pal_ui_caption", "pal_ui_validate", "pal_ui_teacher", "pal_ui_act")
+    assert lineage.prompts == {n: prompt_version(n) for n in names}
     assert lineage.stats["passes kept that looked back"] == 3 and not lineage.dropped
     assert pal_ui.pal_ui_summary(lineage.stats).startswith("3 trusted steps given a teacher pass; 3 matched")
 
@@ -178,7 +181,7 @@ def test_a_look_back_row_calls_retrieve_is_shown_that_screen_then_acts(looked_ba
         assert len(parts) == len(chat["images"]) == 2
         assert chat["images"] == [ws.blobs.get(source["screenshot"]), ws.blobs.get(source["retrieved_screenshot"])]
     lineage = ws.catalog.lineage("pal_ui_sft", sft["pal_ui_sft"])
-    assert lineage.prompts == {"pal_ui_policy": "1"}
+    assert lineage.prompts == {"pal_ui_policy": prompt_version("pal_ui_policy")}
     assert lineage.stats["could not balance: no direct samples, the rest kept whole"] == 1
     assert lineage.stats["teacher passes"] == lineage.stats["teacher passes kept"] == 3
     # step 1 looking back at step 0 sees both screens either way: only the hand-made longer memory below saves tokens

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from conftest import prompt_version, prompt_versions
 
 from trajforge.envs.apps import AppServer, BundledApp, load_app, not_found
 from trajforge.envs.apps.web import Request, Response, redirect
@@ -33,7 +34,7 @@ from trajforge.query_gen.validation import InterfaceValidator
 from trajforge.schemas.config import QueryGenSettings
 from trajforge.schemas.records import Query
 
-MODEL_GENERATOR = f"{SMOLLM2_ID}+query_synthesis@1+query_refine@1"
+MODEL_GENERATOR = f"{SMOLLM2_ID}+" + prompt_versions("query_synthesis", "query_refine").replace(",", "+")
 
 
 
@@ -122,7 +123,7 @@ def test_stage_rows_name_model_and_template_versions(shop: BundledApp, gateway: 
     rows = out.rows["queries"]
     assert len(rows) == 2
     assert out.models["instruction_model"] == SMOLLM2_ID
-    assert out.prompts["query_synthesis"] == "1" and out.prompts["query_refine"] == "1"
+    assert out.prompts == {n: prompt_version(n) for n in ("query_synthesis", "query_refine")}
     fallbacks = sum(n for k, n in out.stats.items() if "model instruction replaced by template" in k)
     assert fallbacks == sum(r.generator == TEMPLATE_GENERATOR for r in rows)
     for row in rows:

@@ -18,6 +18,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from conftest import prompt_version, prompt_versions
 from PIL import Image
 from scripted import ScriptedServer, completion, message_text, notes_workspace
 from starlette.requests import Request
@@ -194,7 +195,7 @@ def test_grounding_rows_of_every_kind_with_reasons_for_what_was_dropped(grounded
     assert dict(modes.iter_rows()).get("model", 0) >= 1  # the scripted model kept the name: rephrased
     rephrased = rows.filter(pl.col("instruction_mode") == "model").to_dicts()[0]
     assert rephrased["instruction"] == f"I need {rephrased['name']} now"
-    assert rephrased["model_id"] == "scripted" and rephrased["prompt_version"] == "grounding_rephrase@2"
+    assert rephrased["model_id"] == "scripted" and rephrased["prompt_version"] == prompt_versions("grounding_rephrase")
     region = rows.filter(pl.col("kind") == "region").to_dicts()[0]
     assert (region["text"], region["instruction"]) == ("the top bar", "Point at the top bar")
 
@@ -738,7 +739,7 @@ def test_a_reasoning_is_kept_only_when_the_action_predicted_from_it_matches_the_
     lineage = ws.catalog.lineage("train_reasoning", out["train_reasoning"])
     assert lineage.dropped["cot reasoning rejected: type differs"] == 6
     assert lineage.stats["steps with an accepted reasoning: simple"] == 3 and lineage.stats["steps tried"] == 3
-    assert lineage.prompts["reasoning_act"] == "1"
+    assert lineage.prompts["reasoning_act"] == prompt_version("reasoning_act")
 
 
 def test_a_step_no_sampled_reasoning_matches_is_written_with_the_answer_and_flagged(recorded, model):
@@ -1002,7 +1003,7 @@ def test_a_manuals_trial_rolls_out_with_the_nights_policy_model_and_names_it(rec
     assert all(f"Guidance for this task: {first_line}" in message_text(b["messages"][-1]) for b in turns)
     lineage = ws.catalog.lineage("manuals", out["manuals"])
     assert lineage.models["policy"] == "gui_owl_e2e" and lineage.models["policy_model"] == "trained-iteration-0"
-    assert lineage.prompts["gui_owl_e2e"] == "1"
+    assert lineage.prompts["gui_owl_e2e"] == prompt_version("gui_owl_e2e")
     assert lineage.models[planning.MANUAL] == "scripted" and lineage.prompts[planning.MANUAL]
 
 
