@@ -40,6 +40,7 @@ runs = sa.Table(
     sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("finished_at", sa.DateTime(timezone=True)),
     sa.Column("summary", sa.Text, doc="JSON: table -> snapshot id, and the tag, when finished."),
+    sa.Column("scope", sa.Text, doc="The warehouse (`Ledger.scope`) the run writes to; NULL: recorded before."),
 )
 
 stages = sa.Table(
@@ -100,6 +101,10 @@ class Run:
     flow: str
     started_at: datetime
     resumed: bool
+    passed_over: tuple[str, ...] = ()
+    """The unfinished runs of the flow in this warehouse that a new run left as they were, having another identity
+    (its input's latest version or a setting changed since): nothing resumes them, and only `--fresh` sets them
+    aside."""
 
 
 @dataclass(frozen=True)
@@ -164,23 +169,29 @@ class Ledger:
     def open_run(self, flow: str, identity: str, *, fresh: bool = False) -> Run:
         """The unfinished run with this identity (resumed), or a new one.
 
-        `fresh` (`trajforge run --fresh`) sets the unfinished runs of this identity aside as abandoned: left
-        running, the next plain run resumed the old one (its queries, its night's tag) once the fresh one had
-        finished, and retention kept its files for ever as those of a run still to be resumed."""
-        unfinished = (runs.c.flow == flow, runs.c.identity == identity, runs.c.status == "running")
+        `fresh` (`trajforge run --fresh`) sets the flow's unfinished runs in this warehouse aside as abandoned,
+        whatever their identity: left running, the next plain run resumed the old one (its queries, its night's
+        tag) once the fresh one had finished, and retention kept its files for ever as those of a run still to be
+        resumed; one of another identity (`run STAGE` after a night made a new version of its input) no command
+        could reach at all. The caller holds the warehouse (`writing`), so none of them is still running."""
+        unfinished = (runs.c.flow == flow, runs.c.status == "running")
+        # Runs recorded before the scope column are this warehouse's only where their identity says so.
+        mine = sa.or_(runs.c.identity == identity, runs.c.scope == self.scope)
         with self.engine.begin() as conn:
             if fresh:
-                conn.execute(runs.update().where(*unfinished).values(status="abandoned", finished_at=_now()))
+                conn.execute(runs.update().where(*unfinished, mine).values(status="abandoned", finished_at=_now()))
             else:
-                row = conn.execute(sa.select(runs).where(*unfinished).order_by(runs.c.started_at.desc())).first()
+                row = conn.execute(sa.select(runs).where(*unfinished, runs.c.identity == identity)
+                                   .order_by(runs.c.started_at.desc())).first()
                 if row is not None:
                     return Run(row.run_id, flow, _utc(row.started_at), resumed=True)
+            passed_over = conn.execute(sa.select(runs.c.run_id).where(*unfinished, mine)
+                                       .order_by(runs.c.started_at)).scalars().all()
             started = _now()
             run_id = f"{flow}-{started:%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
-            conn.execute(
-                runs.insert().values(run_id=run_id, flow=flow, identity=identity, status="running", started_at=started)
-            )
-            return Run(run_id, flow, started, resumed=False)
+            conn.execute(runs.insert().values(run_id=run_id, flow=flow, identity=identity, status="running",
+                                              started_at=started, scope=self.scope))
+            return Run(run_id, flow, started, resumed=False, passed_over=tuple(passed_over))
 
     @property
     def writer_key(self) -> int:

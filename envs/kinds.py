@@ -240,23 +240,24 @@ def check_episode(query: Query, episode: Episode) -> tuple[bool, str]:
                                      json.loads(episode.final_state_json))
 
 
-def configured_kinds(settings: Settings) -> list[AppKind]:
+def configured_kinds(settings: Settings, named: Callable[[str], str] = str) -> list[AppKind]:
     """The kinds the config asks queries of: its bundled apps, its app directories, then the suites it names
     tasks of.
 
     Validates on the way (an unknown app or MiniWoB++ task, a deep-search app the config names that nothing
-    serves raises), so a run can check its config before any work.
+    serves raises), so a run can check its config before any work; `named` gives a field as the error names it
+    (the preflight's says where it was set).
     """
     try:
         kinds = [kind_for(name) for name in settings.query_gen.apps]
     except UnknownAppError as exc:
-        raise ConfigError(f"query_gen.apps: {exc}") from None
+        raise ConfigError(f"{named('query_gen.apps')}: {exc}") from None
     kinds += use_app_dirs(settings.query_gen.app_dirs)
     asked = "deep_search_apps" in settings.query_gen.model_fields_set  # the default, [writer], applies where served
     served = {k.name for k in kinds}
     if asked and (unserved := [a for a in settings.query_gen.deep_search_apps if a not in served]):
-        raise ConfigError(f"query_gen.deep_search_apps: {', '.join(unserved)} is neither in query_gen.apps nor an "
-                         "app of query_gen.app_dirs, so nothing serves it")
+        raise ConfigError(f"{named('query_gen.deep_search_apps')}: {', '.join(unserved)} is neither in "
+                          "query_gen.apps nor an app of query_gen.app_dirs, so nothing serves it")
     if settings.query_gen.miniwob_tasks:
         check_tasks(settings.query_gen.miniwob_tasks)
         kinds.append(kind_for(MINIWOB))

@@ -290,7 +290,8 @@ def run(
         str | None, typer.Option("--input", "-i", help="TABLE@VERSION the stage reads (default: TABLE@latest).")
     ] = None,
     config: ConfigOpt = None,
-    fresh: Annotated[bool, typer.Option(help="Start a new run even if an unfinished one can be resumed.")] = False,
+    fresh: Annotated[bool, typer.Option(help="Start a new run and set aside every unfinished run of this command "
+                                             "for good, the one it would resume included.")] = False,
     app_dir: Annotated[list[Path] | None, typer.Option(
         "--app-dir", help="Your own app's directory (repeatable): the run makes queries for these apps only, "
         "instead of the configured ones.")] = None,
@@ -301,7 +302,7 @@ def run(
     """Run the nightly pipeline, or rerun a single stage on a chosen input version."""
     from trajforge.envs.appdir import load_app_dir
     from trajforge.envs.spec import SpecError
-    from trajforge.flows.pipeline import STAGE_FLOWS, nightly, run_identity
+    from trajforge.flows.pipeline import STAGE_FLOWS, nightly, passed_over, run_identity
     from trajforge.tasks.prefect_tasks import run_workspace
 
     if stage != "nightly" and stage not in _stages():
@@ -343,6 +344,8 @@ def run(
             run_ = ws.ledger.open_run(stage, identity, fresh=fresh)
             call = STAGE_FLOWS[stage](input_snapshot=input_snapshot, run_id=run_.run_id, config=cfg)
         console.print(f"{'resuming' if run_.resumed else 'starting'} run [bold]{run_.run_id}[/]")
+        if note := passed_over(run_):
+            err_console.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False, soft_wrap=True)
         stop = threading.Event()
         watcher = threading.Thread(target=_watch, args=(ws, run_.run_id, stop), daemon=True)
         watcher.start()
@@ -709,8 +712,11 @@ def export_cmd(
     with _usage_errors(ExportError):
         ws.catalog.resolve(ref)  # an unknown table is named, with the known ones, as `datasets show` does
         result = export(ws.catalog, ref, fmt, out, added_only=added, viewport=ws.settings.rollout.viewport)
-    console.print(f"exported {result.table}@{result.snapshot} as {fmt}: {result.rows} rows, {result.images} images "
-                  f"to {result.out} (card: {result.card})", highlight=False)
+    # Image parts, not files: rows about one screen share its PNG (2,519 parts of a night's grounding rows, 179 files).
+    files = len(list((result.out / "images").glob("*.png")))
+    on_disk = f" ({files} distinct files)" if files else ""
+    console.print(f"exported {result.table}@{result.snapshot} as {fmt}: {result.rows} rows, {result.images} image "
+                  f"parts{on_disk} to {result.out} (card: {result.card})", highlight=False)
 
 
 @app.command()
@@ -1010,7 +1016,8 @@ def serve(config: ConfigOpt = None) -> None:
     settings, _ = _open(config, models=True)
     _prefect_server()
     console.print(f"serving deployment nightly/nightly on cron {settings.schedule.cron!r} ({settings.schedule.timezone})")
-    nightly.serve(name="nightly", **_nightly_deployment(config, settings))
+    # One night at a time, as `deploy`'s: a night scheduled while one runs waits for it (it stopped at RunLocked).
+    nightly.serve(name="nightly", global_limit=1, **_nightly_deployment(config, settings))
 
 
 if __name__ == "__main__":

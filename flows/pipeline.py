@@ -12,6 +12,7 @@ from typing import Any
 from prefect import flow
 from prefect.futures import wait
 
+from trajforge.data.ledger import Run
 from trajforge.flows.preflight import preflight
 from trajforge.flows.stages import stages
 from trajforge.llm.workspace import Workspace
@@ -41,6 +42,16 @@ night again and leave the stopped one unfinished, its training rows never handed
 def run_identity(flow_name: str, settings: Settings, extra: str = "") -> str:
     """What a run does; an unfinished run with the same identity is resumed, not restarted."""
     return digest(f"{flow_name}:{settings.model_dump_json(exclude=RESUMED_ACROSS)}{extra}", 32)
+
+
+def passed_over(run: Run) -> str | None:
+    """What a new run says of the unfinished runs of its flow it leaves as they were (`Run.passed_over`): their
+    ids and the way to set them aside, since nothing else ever will (`expire` keeps their files and versions)."""
+    if not run.passed_over:
+        return None
+    return (f"unfinished runs of {run.flow} not resumed (another configuration or input): "
+            f"{', '.join(run.passed_over)}; `trajforge run {run.flow} --fresh` sets them aside, else their files and "
+            "versions are kept for ever")
 
 
 async def _run_stage(stage: Stage, ws: Workspace, run_id: str, input_snapshot: int | None) -> dict[str, int]:
@@ -75,7 +86,10 @@ def _stage_flow(stage: Stage):
         if run_id is not None:  # a stage of a run its caller holds (the nightly, the CLI)
             return await _run_stage(stage, ws, run_id, input_snapshot)
         with ws.ledger.writing(stage.name):
-            run_id = ws.ledger.open_run(stage.name, run_identity(stage.name, ws.settings, str(input_snapshot))).run_id
+            run = ws.ledger.open_run(stage.name, run_identity(stage.name, ws.settings, str(input_snapshot)))
+            run_id = run.run_id
+            if note := passed_over(run):
+                print(note)
             with run_workspace(run_id, ws):
                 snapshots = await _run_stage(stage, ws, run_id, input_snapshot)
             ws.ledger.finish_run(run_id, {"snapshots": snapshots})
@@ -94,9 +108,11 @@ async def nightly(config: str | None = None, run_id: str | None = None) -> dict[
     ws = _workspace(run_id, config)
     if run_id is None:  # a run of its own (a deployment's): it holds the warehouse; the CLI holds it for its runs
         with ws.ledger.writing("nightly"):
-            run_id = ws.ledger.open_run("nightly", run_identity("nightly", ws.settings)).run_id
-            with run_workspace(run_id, ws):
-                return await _nightly(ws, run_id, config)
+            run = ws.ledger.open_run("nightly", run_identity("nightly", ws.settings))
+            if note := passed_over(run):
+                print(note)
+            with run_workspace(run.run_id, ws):
+                return await _nightly(ws, run.run_id, config)
     return await _nightly(ws, run_id, config)
 
 

@@ -7,12 +7,14 @@ Apart from the flows (flows.pipeline) so that the commands that only read the wa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from trajforge.envs.kinds import configured_kinds
 from trajforge.guidance.stage import load_demonstrations
 from trajforge.llm.local import SMOLLM2, checkpoint, missing_models
-from trajforge.schemas.config import ConfigError, Settings, load_settings
+from trajforge.schemas.config import ConfigError, Settings, config_path, load_settings, set_by
 from trajforge.train.stage import check_train_tables
 
 
@@ -20,15 +22,16 @@ def preflight(config: str | None, models: bool = True) -> Settings:
     """Everything that can be checked before work starts: the config, every app spec and MiniWoB++ task, the
     demonstrations file and, with `models`, the models the config asks (`check_models`), so a scheduled run
     fails in seconds."""
-    settings = load_settings(Path(config) if config else None)
-    if settings.runner.engine == "dask" and settings.warehouse.catalog_url is None:
-        raise ConfigError("runner.engine: dask needs warehouse.catalog_url (a PostgreSQL catalog): the workers "
-                          "record their shards in the catalog's database from other processes and machines")
-    configured_kinds(settings)
-    check_train_tables(settings.loop.train_tables)
+    path = config_path(Path(config) if config else None)
+    settings = load_settings(path)
+    named = partial(_named, path)
+    if settings.runner.engine == "dask":
+        _check_dask_catalog(settings, named)
+    configured_kinds(settings, named)
+    check_train_tables(settings.loop.train_tables, named)
     serve = settings.loop.serve
     if serve != "local" and serve not in settings.llm.endpoints:
-        raise ConfigError(f"loop.serve: {serve!r} is neither 'local' nor an llm endpoint "
+        raise ConfigError(f"{named('loop.serve')}: {serve!r} is neither 'local' nor an llm endpoint "
                           f"(configured: {', '.join(settings.llm.endpoints) or 'none'})")
     if settings.guidance.demonstrations is not None:  # read by the guidance stage, after query generation
         try:
@@ -41,6 +44,29 @@ def preflight(config: str | None, models: bool = True) -> Settings:
     if models:
         check_models(settings)
     return settings
+
+
+def _named(path: Path | None, field: str) -> str:
+    """`field` as a check across fields names it: after where its value was set, as `load_settings` names a field
+    it refuses (the variable, else the config file), since the fields it is checked against may be set elsewhere."""
+    return f"{set_by(tuple(field.split('.')), path)}: {field}"
+
+
+def _check_dask_catalog(settings: Settings, named: Callable[[str], str]) -> None:
+    """ConfigError unless the catalog is on PostgreSQL: the workers record their shards in the catalog's database
+    from other processes and machines, which a SQLite file beside the warehouse does not take."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    url = settings.warehouse.catalog_url
+    try:
+        backend = make_url(url.get_secret_value()).get_backend_name() if url is not None else None
+    except ArgumentError as exc:
+        raise ConfigError(f"{named('warehouse.catalog_url')}: {exc}") from None
+    if backend != "postgresql":
+        given = f"it is {backend}" if backend else "it is not set"
+        raise ConfigError(f"{named('runner.engine')}: dask needs a PostgreSQL warehouse.catalog_url ({given}): the "
+                          "workers record their shards in the catalog's database from other processes and machines")
 
 
 def _asked(settings: Settings) -> list[tuple[str, str]]:

@@ -63,7 +63,8 @@ _YAML_BOOLEANS = {True: ("on", "yes", "true", "y"), False: ("off", "no", "false"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A refused value is not repeated in pydantic's error (`input_value=`): it may be a key or a password.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -363,6 +364,19 @@ class ScheduleSettings(_Section):
         return zone
 
 
+def header_key(value: str) -> str:
+    """An endpoint's key as an HTTP header can carry it, from the config or the variable `api_key_env` names:
+    surrounding whitespace stripped (a key file's or a YAML `|` block's trailing newline). A control character
+    is refused, as is a non-ASCII one: httpx refused the first as a connection error, retried, whose DEBUG log
+    quoted the whole header, and the second raised a UnicodeEncodeError quoting it. The ValueError names
+    neither the key nor where it came from (the caller adds that)."""
+    key = value.strip()
+    if not key.isascii() or not key.isprintable():
+        what = "a control character" if key.isascii() else "a non-ASCII character"
+        raise ValueError(f"holds {what} (the value is not shown)")
+    return key
+
+
 class EndpointSettings(_Section):
     """One OpenAI-compatible server (vLLM, SGLang, Ollama, a hosted API) and how hard to push it."""
 
@@ -391,6 +405,12 @@ class EndpointSettings(_Section):
     backoff_s: float = Field(
         default=0.5, gt=0, description="Longest first wait before a retry (jittered); doubles each retry, up to 60 s."
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_fits_a_header(cls, key: SecretStr | None) -> SecretStr | None:
+        """Checked when the config loads (the loader names the file or variable and this field)."""
+        return None if key is None else SecretStr(header_key(key.get_secret_value()))
 
 
 class LocalModelSettings(_Section):
@@ -700,7 +720,7 @@ class AgenticQSettings(_Section):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", yaml_file=None
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", yaml_file=None, hide_input_in_errors=True
     )
 
     warehouse: WarehouseSettings = WarehouseSettings()
@@ -798,6 +818,13 @@ def _known_variables() -> list[str]:
     return sorted(f"{ENV_PREFIX}{section}__{field}".upper()
                   for section, info in Settings.model_fields.items()
                   for field in info.annotation.model_fields)  # type: ignore[union-attr]
+
+
+def set_by(loc: tuple[Any, ...], path: Path | None) -> str:
+    """Where the value at `loc` was set, as an error names it: the environment variable that overrides the file,
+    else the file (and the variables below `loc`). `load_settings` and preflight's checks across fields ask here."""
+    variable = _variable_of(loc)
+    return f"environment variable {variable}" if variable else _sources_of(loc, path)
 
 
 def _variable_of(loc: tuple[Any, ...]) -> str | None:
@@ -971,8 +998,7 @@ def load_settings(path: Path | None = None) -> Settings:
         for err in exc.errors():
             loc = tuple(err["loc"])
             field = ".".join(str(p) for p in loc)
-            variable = _variable_of(loc)  # the environment overrides the file
-            where = f"environment variable {variable}" if variable else _sources_of(loc, path)
+            where = set_by(loc, path)  # the environment overrides the file
             # A check across sections (Settings' own) has no field, and is blamed on the file (no variable is named
             # below the empty `loc`); its message names the fields it read.
             lines.append(f"{where}: field {field!r}: {err['msg']}" if loc else f"{where}: {err['msg']}")

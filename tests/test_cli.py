@@ -525,3 +525,30 @@ def test_a_temporary_server_that_cannot_start_fails_the_run_in_one_line(tmp_path
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "the temporary Prefect server exited" in proc.stderr and "Connect call failed" in proc.stderr
+
+
+def test_serve_runs_one_night_at_a_time_as_deploy_does(tmp_path: Path, trajforge_cli: str) -> None:
+    """`serve` registered the nightly with no concurrency limit (`deploy` gives it 1): a night scheduled while
+    one ran started beside it and stopped at RunLocked instead of waiting for it."""
+    import signal
+
+    from conftest import PREFECT, running_prefect_server, wait_for
+
+    (tmp_path / "trajforge.yaml").write_text(
+        "query_gen:\n  apps: []\n  deep_search_apps: []\nrollout:\n  policy: replay\n"
+        "critics:\n  step_critic: rules\n  text_channel: false\nsynth:\n  writer: template\n")
+    env = cli_env(tmp_path)
+    with running_prefect_server(env, 90) as url:
+        env |= {"PREFECT_API_URL": url}
+        serve = subprocess.Popen([trajforge_cli, "serve"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            def shown() -> str:  # empty until serve has registered it
+                return subprocess.run([PREFECT, "deployment", "inspect", "nightly/nightly"], env=env,
+                                      capture_output=True, text=True, check=False).stdout
+
+            wait_for(lambda: "'global_concurrency_limit'" in shown(), 120, "the nightly deployment")
+            assert re.search(r"'global_concurrency_limit': \{[^}]*'limit': 1,", shown()), shown()
+        finally:
+            os.killpg(serve.pid, signal.SIGTERM)
+            serve.wait(timeout=60)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from trajforge.data.catalog import Catalog
 from trajforge.data.notebook import open_catalog
@@ -333,3 +334,68 @@ def test_a_sections_own_check_names_the_variables_that_gave_its_fields(tmp_path,
     both = "environment variables TRAJFORGE_CRITICS__CONSENSUS, TRAJFORGE_CRITICS__K"
     with pytest.raises(ConfigError, match=rf"  {both}: field 'critics': "):
         load_settings()
+
+
+def test_an_endpoint_key_in_the_config_is_stripped_and_a_character_no_header_takes_is_refused(tmp_path, monkeypatch):
+    """A key given as a YAML `|` block ends in a newline: every call failed as a connection error, retried, and
+    httpx's debug log quoted the key; a non-ASCII one raised a UnicodeEncodeError quoting it. The file's newline
+    is stripped; either character is refused as the config loads, naming the file or variable and the field,
+    never the key."""
+    secret = "sk-trajforge-CONFIGKEY-93be"
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text(f"llm:\n  endpoints:\n    vllm:\n      base_url: http://127.0.0.1:8000/v1\n      model: m\n"
+                   f"      api_key: |\n        {secret}\n")
+    assert load_settings(cfg).llm.endpoints["vllm"].api_key.get_secret_value() == secret
+    cfg.write_text(f"llm:\n  endpoints:\n    vllm: {{base_url: 'http://x/v1', model: m, api_key: '{secret}’x'}}\n")
+    with pytest.raises(ConfigError, match=r"trajforge.yaml: field 'llm.endpoints.vllm.api_key': .*non-ASCII") as err:
+        load_settings(cfg)
+    assert secret not in str(err.value)
+    cfg.write_text("")
+    monkeypatch.setenv("TRAJFORGE_LLM__ENDPOINTS",
+                       f'{{"b": {{"base_url": "http://x/v1", "model": "m", "api_key": "{secret}\\u0007"}}}}')
+    with pytest.raises(ConfigError, match=r"environment variable TRAJFORGE_LLM__ENDPOINTS: field "
+                                          r"'llm.endpoints.b.api_key': .*control character") as err:
+        load_settings(cfg)
+    assert secret not in str(err.value)
+
+
+def test_a_check_across_fields_names_the_file_or_variable_that_set_the_field(tmp_path, monkeypatch):
+    """The preflight's checks of a field against others (an app against those installed, loop.serve against the
+    endpoints) named the field only: TRAJFORGE_QUERY_GEN__APPS='["shopp"]' gave `query_gen.apps: unknown app`,
+    leaving the user to find which of the file and the environment said so."""
+    from trajforge.flows.preflight import preflight
+
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text("loop:\n  serve: vlm\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(cfg))}: loop.serve: 'vlm' is neither 'local' nor"):
+        preflight(str(cfg), models=False)
+    cfg.write_text("loop:\n  train_tables: [train_e2ee]\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(cfg))}: loop.train_tables: \['train_e2ee'\] are not"):
+        preflight(str(cfg), models=False)
+    monkeypatch.setenv("TRAJFORGE_QUERY_GEN__APPS", '["shopp"]')
+    with pytest.raises(ConfigError, match=r"^environment variable TRAJFORGE_QUERY_GEN__APPS: query_gen.apps: "
+                                          r"unknown app 'shopp'"):
+        preflight(str(cfg), models=False)
+
+
+def test_the_dask_engine_needs_a_postgresql_catalog(tmp_path, monkeypatch):
+    """Several worker processes record their shards in the catalog's database, and a worker on another machine
+    cannot open a SQLite file: a SQLite catalog_url passed the preflight, though `run` was said to refuse it."""
+    from trajforge.flows.preflight import preflight
+
+    cfg = tmp_path / "trajforge.yaml"
+    cfg.write_text(f"runner:\n  engine: dask\nwarehouse:\n  catalog_url: sqlite:///{tmp_path}/catalog.db\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(cfg))}: runner.engine: dask needs a PostgreSQL "
+                                          r"warehouse.catalog_url \(it is sqlite\)"):
+        preflight(str(cfg), models=False)
+    monkeypatch.setenv("TRAJFORGE_WAREHOUSE__CATALOG_URL", "postgresql+psycopg://db.example/trajforge")
+    assert preflight(str(cfg), models=False).runner.engine == "dask"
+
+
+def test_settings_built_in_code_do_not_repeat_a_refused_key() -> None:
+    """A notebook building Settings itself gets pydantic's error, which repeated the refused value
+    (`input_value='sk-...'`): the key reached the notebook's output."""
+    with pytest.raises(ValidationError) as err:
+        Settings(llm={"endpoints": {"x": {"base_url": "http://127.0.0.1:9/v1", "model": "m",
+                                          "api_key": "sk-TOPSECRET\x01"}}})
+    assert "llm.endpoints.x.api_key" in str(err.value) and "TOPSECRET" not in str(err.value)

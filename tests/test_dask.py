@@ -148,3 +148,22 @@ def test_a_worker_killed_mid_stage_then_rerun_loses_and_duplicates_nothing(postg
         runs += 1
     assert proc.returncode == 0, out[-4000:]
     _assert_equal_nights(reference, tmp_path, warehouse)
+
+
+def test_a_worker_opens_a_resumed_run_with_the_settings_its_shards_bring(tmp_path, monkeypatch) -> None:
+    """A Dask worker outlives the command and kept the run's workspace by run id: a run stopped by an endpoint's
+    timeout, resumed with the timeout raised (a resume: `RESUMED_ACROSS`), ran its shards with the first
+    attempt's settings, so the fix never reached them on an existing cluster. Its first shard opens it in this
+    process as a worker does."""
+    from trajforge.flows.pipeline import run_identity
+    from trajforge.tasks import prefect_tasks
+
+    monkeypatch.setattr(prefect_tasks, "_WORKSPACES", {})  # this process's, as a fresh worker's
+    endpoint = {"base_url": "http://127.0.0.1:9/v1", "model": "m", "timeout_s": 5}
+    first = prefect_tasks.portable(Settings(warehouse={"path": tmp_path / "wh"}, llm={"endpoints": {"vllm": endpoint}}))
+    fixed = prefect_tasks.portable(Settings(warehouse={"path": tmp_path / "wh"},
+                                            llm={"endpoints": {"vllm": endpoint | {"timeout_s": 600}}}))
+    assert run_identity("nightly", first) == run_identity("nightly", fixed)  # the rerun resumes the run
+    ws = prefect_tasks._open("nightly-1", first)
+    assert prefect_tasks._open("nightly-1", first) is ws  # its next shards keep what the worker opened
+    assert prefect_tasks._open("nightly-1", fixed).settings.llm.endpoints["vllm"].timeout_s == 600

@@ -168,9 +168,12 @@ def test_train_e2e_accumulates_and_a_stage_rerun_by_hand_writes_no_row_twice(two
     assert ws.catalog.load("train_e2e", same.snapshot_id)["run_id"].unique().to_list() == [night1.run_id]
     for flags, rows in (([], again.total_rows), (["--added"], again.added_rows)):
         out = tmp_path / f"export{len(flags)}"
-        cli(trajforge_cli, cwd, "export", f"train_e2e@{again.snapshot_id}", "--format", "ms-swift", "--out", str(out),
-            *flags)
+        said = cli(trajforge_cli, cwd, "export", f"train_e2e@{again.snapshot_id}", "--format", "ms-swift",
+                   "--out", str(out), *flags).stdout
         assert len((out / "train.jsonl").read_text().splitlines()) == rows
+        parts = sum(len(json.loads(line)["images"]) for line in (out / "train.jsonl").read_text().splitlines())
+        files = len(list((out / "images").glob("*.png")))
+        assert f"{rows} rows, {parts} image parts ({files} distinct files)" in said  # a night's rows share screens
     rows = ws.catalog.load("train_e2e", again.snapshot_id)
     assert rows["run_id"].unique().to_list() == [again.run_id] and rows["step_id"].is_unique().all()
 
@@ -386,3 +389,37 @@ def test_a_synthesis_stage_reruns_alone_on_a_pinned_steps_version(two_nights, tr
     for table in ("grounding", "train_grounding", "action_semantics", "train_semantics", "manuals",
                   "train_planning"):
         assert ws.catalog.load(table).height > 0, table
+
+
+def test_a_run_names_the_unfinished_run_it_does_not_resume_and_fresh_sets_it_aside(tmp_path, trajforge_cli):
+    """A run's identity holds its config and the input version it reads (`run STAGE` reads TABLE@latest): a stage
+    run that crashed, rerun once a night had made a new version, started a new run and left the crashed one
+    `running` for ever (expire keeps its files, versions and inputs for it), and `--fresh` set aside only the runs
+    of the new identity, so no command reached it."""
+    (tmp_path / "trajforge.yaml").write_text("query_gen:\n  apps: []\n  deep_search_apps: []\n")
+    ws = workspace(tmp_path)
+    crashed = ws.ledger.open_run("query_gen", "the crashed run's identity").run_id
+    said = cli(trajforge_cli, tmp_path, "run", "query_gen").stderr
+    assert crashed in said and "`trajforge run query_gen --fresh` sets them aside" in said, said
+    assert crashed in ws.ledger.unfinished_runs()
+    said = cli(trajforge_cli, tmp_path, "run", "query_gen", "--fresh").stderr
+    assert crashed not in ws.ledger.unfinished_runs() and crashed not in said
+
+
+def test_fresh_sets_aside_no_run_of_another_warehouse_in_the_database(postgres_url):
+    """The namespaces of one PostgreSQL database share its run ledger, each holding only its own while it runs:
+    `--fresh` in one must leave another's unfinished run (maybe running now) alone, and not name it."""
+    from trajforge.data.ledger import Ledger
+
+    here, there = (Ledger(postgres_url, scope=f"catalog/{name}{os.getpid()}-{time.monotonic_ns()}")
+                   for name in ("here", "there"))
+    try:
+        crashed = here.open_run("nightly", "before a setting changed").run_id
+        theirs = there.open_run("nightly", "their night").run_id
+        assert here.open_run("nightly", "after a setting changed").passed_over == (crashed,)
+        here.open_run("nightly", "after a setting changed", fresh=True)
+        assert crashed not in here.unfinished_runs() and theirs in here.unfinished_runs()
+        there.finish_run(theirs, {})
+    finally:
+        here.engine.dispose()
+        there.engine.dispose()

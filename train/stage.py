@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -80,12 +81,14 @@ def trained_on(versions: dict[str, int]) -> list[str]:
     return [f"{t}@{v}" for t, v in sorted(versions.items())]
 
 
-def check_train_tables(asked: list[str]) -> None:
+def check_train_tables(asked: list[str], named: Callable[[str], str] = str) -> None:
     """ConfigError for a name in `loop.train_tables` that is no SFT table: checked by the preflight too, so a
-    typo stops the night before its first stage rather than at its last."""
+    typo stops the night before its first stage rather than at its last; `named` gives the field as the error
+    names it (the preflight's says where it was set)."""
     unknown = sorted(set(asked) - SFT_TABLES)
     if unknown:
-        raise ConfigError(f"loop.train_tables: {unknown} are not SFT tables; they are {', '.join(sorted(SFT_TABLES))}")
+        raise ConfigError(f"{named('loop.train_tables')}: {unknown} are not SFT tables; they are "
+                          f"{', '.join(sorted(SFT_TABLES))}")
 
 
 def night_tables(ws: Workspace, snapshot: int | None) -> tuple[dict[str, int], Counter[str]]:
