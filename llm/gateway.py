@@ -37,9 +37,9 @@ from trajforge.llm.calls import BackendError, CallRecord, ChatResult, Completion
 from trajforge.llm.local import LocalBackend
 from trajforge.llm.messages import ImagePart, Message, TextPart
 from trajforge.llm.prompts import RenderedPrompt, load_prompt
-from trajforge.llm.remote import OpenAIBackend
+from trajforge.llm.remote import IMAGE_ERRORS, OpenAIBackend, unreadable
 from trajforge.llm.structured import Constraint, ParseError, parse
-from trajforge.schemas.config import EndpointSettings, LLMSettings, Settings
+from trajforge.schemas.config import EndpointSettings, LLMSettings, Settings, header_key
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +75,17 @@ def _finished(answer: Completion) -> bool:
 
 
 def _api_key(name: str, endpoint: EndpointSettings) -> SecretStr | None:
-    """The endpoint's key: given in the config, or read from the environment variable it names."""
+    """The endpoint's key: given in the config (checked as it loaded), or read from the environment variable it
+    names, checked alike (`header_key`)."""
     if endpoint.api_key is not None or endpoint.api_key_env is None:
         return endpoint.api_key
-    value = (os.environ.get(endpoint.api_key_env) or "").strip()  # a key file's trailing newline, say
+    where = f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env}"
+    try:
+        value = header_key(os.environ.get(endpoint.api_key_env) or "")
+    except ValueError as exc:
+        raise ValueError(f"{where} {exc}") from None
     if not value:
-        raise ValueError(f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} is not set")
-    if not value.isprintable():  # httpx refuses the header as a connection error, retried, and logs it at DEBUG
-        raise ValueError(f"llm.endpoints.{name}.api_key_env: environment variable {endpoint.api_key_env} holds a "
-                         "control character (the value is not shown)")
+        raise ValueError(f"{where} is not set")
     return SecretStr(value)
 
 
@@ -323,14 +325,25 @@ class Gateway:
             raise GatewayError(record) from exc
 
     def _show(self, messages: list[Message], mode: str) -> list[Message]:
-        """The messages as the model will see them: image bytes read, or images rendered as text."""
+        """The messages as the model will see them: image bytes read, or images rendered as text. An image the OCR
+        cannot decode is this request's failure (BackendError), as a server's 400 for it would be."""
         with_bytes = [
             m.model_copy(
                 update={"content": [p.with_bytes(self.blobs) if isinstance(p, ImagePart) else p for p in m.content]}
             )
             for m in messages
         ]
-        return self.ocr.as_text(with_bytes) if mode.startswith("ocr") else with_bytes
+        if not mode.startswith("ocr"):
+            return with_bytes
+        try:
+            return self.ocr.as_text(with_bytes)
+        except IMAGE_ERRORS:
+            # Pillow's errors are OSErrors, as the OCR engine's own may be: an image that does not decode is named,
+            # any other error is raised as it came.
+            for image in (p for m in with_bytes for p in m.images):
+                if why := unreadable(image):
+                    raise BackendError(why, 0) from None
+            raise
 
     # ------------------------------------------------------------------ lifetime
 

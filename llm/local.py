@@ -133,15 +133,13 @@ class LocalModel:
 
     def _text_inputs(self, messages: list[Message]) -> dict[str, Any]:
         if any(m.images for m in messages):
-            raise ValueError(f"{self.model_id} is a text model and takes no images")
+            raise RequestError(f"{self.model_id} is a text model and takes no images")
         chat = [{"role": m.role, "content": m.text} for m in messages]
         return dict(
             self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         )
 
     def _vision_inputs(self, messages: list[Message]) -> dict[str, Any]:
-        from PIL import Image
-
         chat = [
             {
                 "role": m.role,
@@ -153,7 +151,7 @@ class LocalModel:
             for m in messages
         ]
         text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        images = [Image.open(io.BytesIO(p.png)).convert("RGB") for m in messages for p in m.images]  # type: ignore[arg-type]
+        images = [_image(p) for m in messages for p in m.images]
         if not images:
             return dict(self.tokenizer(text, return_tensors="pt"))
         pixels = self.image_processor(images=images, return_tensors="pt")
@@ -161,7 +159,7 @@ class LocalModel:
         merge = self.image_processor.merge_size**2
         pieces = text.split(self.image_token)
         if len(pieces) != len(images) + 1:
-            raise ValueError(
+            raise RequestError(
                 f"{self.model_id}: the chat template placed {len(pieces) - 1} image tokens for {len(images)} images"
             )
         text = pieces[0] + "".join(
@@ -186,8 +184,6 @@ class LocalModel:
 
         inputs = self._vision_inputs(messages) if self.vision else self._text_inputs(messages)
         with self._lock, torch.inference_mode():
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
             if self.vision:
                 new = self._generate(inputs, sampling, grammar)
             else:
@@ -203,7 +199,13 @@ class LocalModel:
     def _generate(self, inputs: dict[str, Any], sampling: Sampling, grammar: str | None) -> list[int]:
         """transformers' own `generate`, for a vision model's answers (whose image positions it keeps). What it is
         not told it takes from the checkpoint's generation_config: Qwen2.5-VL's `top_k: 1` made every seed's draw
-        the same answer, and its `repetition_penalty` changed greedy ones, so both are set as `_draw` samples."""
+        the same answer, and its `repetition_penalty` changed greedy ones, so both are set as `_draw` samples.
+
+        `generate` samples from torch's global generator, which every model in the process shares: it holds
+        `_GLOBAL_RNG` from its seed to its last token, so another model's draw cannot come between.
+        """
+        import torch
+
         options: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0,
                                    "top_k": 0, "repetition_penalty": 1.0}
         if grammar is not None:
@@ -212,7 +214,10 @@ class LocalModel:
             options |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
         if sampling.stop:
             options |= {"stop_strings": list(sampling.stop), "tokenizer": self.tokenizer}
-        output = self.model.generate(**inputs, **options, pad_token_id=self.tokenizer.pad_token_id)
+        with _GLOBAL_RNG:
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            output = self.model.generate(**inputs, **options, pad_token_id=self.tokenizer.pad_token_id)
         new: list[int] = output[0, inputs["input_ids"].shape[1]:].tolist()
         return new
 
@@ -226,10 +231,16 @@ class LocalModel:
         take the same loop for the kept cache alone. Greedy answers read as `generate`'s did (the same text
         on the prompts tried); a sampled answer draws as an OpenAI endpoint does (temperature, then top-p,
         no top-k) and, held to a grammar, only where the grammar leaves a choice, so its draws for a seed
-        differ from `generate`'s.
+        differ from `generate`'s. The draws come from the answer's own generator, never torch's global one, which
+        another model generating at the same time draws from too.
         """
         import torch
 
+        generator = torch.Generator()
+        if sampling.seed is None:
+            generator.seed()  # a fresh random state: torch.Generator() alone starts from one fixed seed
+        else:
+            generator.manual_seed(sampling.seed)
         matcher = _matcher(self._grammar_tokenizer, grammar) if grammar is not None else None
         prompt: list[int] = input_ids[0].tolist()
         cache, known = self._head_start(prompt)
@@ -239,7 +250,7 @@ class LocalModel:
             logits = self.model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
             if matcher is not None:
                 logits = logits.masked_fill(~_allowed(matcher, logits.shape[-1]), float("-inf"))
-            token = _draw(logits, sampling)
+            token = _draw(logits, sampling, generator)
             new.append(token)
             if matcher is not None:
                 matcher.consume_token(token)
@@ -288,20 +299,41 @@ class LocalModel:
         return bool(stop) and any(s in self.tokenizer.decode(new, skip_special_tokens=True) for s in stop)
 
 
+def _image(image: ImagePart) -> Any:
+    """The image decoded; one Pillow cannot read is the request's fault (a broken file, a decompression bomb)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(image.png or b"")).convert("RGB")
+    except (OSError, Image.DecompressionBombError) as exc:
+        # UnidentifiedImageError's message names a BytesIO's address, a new one each run, and the text reaches rows.
+        why = "not an image Pillow can read" if isinstance(exc, UnidentifiedImageError) else str(exc)
+        raise RequestError(f"image {image.sha256} cannot be read: {why}") from exc
+
+
+class RequestError(ValueError):
+    """A request this model cannot answer, as a server's 400: the caller drops that one row.
+
+    Its own class, so that only these are a row's failure: any other error of torch or transformers (a CPU
+    allocation failure is a plain RuntimeError, as is a version mismatch) fails the stage, whose resume asks
+    again, where a dropped row would stay dropped. A ValueError, which `llm.serve` answers with 400.
+    """
+
+
 def _matcher(tokenizer: Any, grammar: str) -> Any:
     """llguidance's matcher for one answer; a grammar that does not compile is the caller's error."""
     import llguidance
 
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     if matcher.is_error():
-        raise ValueError(f"the answer's grammar does not compile: {matcher.get_error()}")
+        raise RequestError(f"the answer's grammar does not compile: {matcher.get_error()}")
     return matcher
 
 
 def _check(matcher: Any) -> None:
     """Cannot fail for tokens the matcher allowed; kept loud rather than guessed."""
     if matcher.is_error():
-        raise RuntimeError(f"constrained decoding left its grammar: {matcher.get_error()}")
+        raise RequestError(f"constrained decoding left its grammar: {matcher.get_error()}")
 
 
 def _allowed(matcher: Any, vocab: int) -> Any:
@@ -315,9 +347,9 @@ def _allowed(matcher: Any, vocab: int) -> Any:
     return allowed[:vocab]
 
 
-def _draw(logits: Any, sampling: Sampling) -> int:
-    """The next token: the most likely at temperature 0, else a draw at the temperature within the top-p mass
-    (transformers' order: the mask, then temperature, then top-p)."""
+def _draw(logits: Any, sampling: Sampling, generator: Any) -> int:
+    """The next token: the most likely at temperature 0, else a draw from `generator` at the temperature within
+    the top-p mass (transformers' order: the mask, then temperature, then top-p)."""
     import torch
 
     if sampling.temperature == 0:
@@ -328,7 +360,7 @@ def _draw(logits: Any, sampling: Sampling) -> int:
         beyond = ordered.cumsum(-1) - ordered > sampling.top_p  # tokens past the nucleus; the first always stays
         probs = probs.clone()
         probs[order[beyond]] = 0
-    return int(torch.multinomial(probs, 1))
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class _GrammarMask:
@@ -351,6 +383,9 @@ class _GrammarMask:
         _check(self.matcher)
         return scores.masked_fill(~_allowed(self.matcher, scores.shape[-1]), float("-inf"))
 
+
+_GLOBAL_RNG = threading.Lock()
+"""Held by `LocalModel._generate` (transformers' `generate`), the one user of torch's global generator here."""
 
 _LOADING = threading.Lock()
 
@@ -396,11 +431,9 @@ class LocalBackend:
             return await asyncio.to_thread(model.generate, messages, sampling, grammar)
         # This request's failure, as a server's 400 would be: inputs the model cannot take (an image PIL cannot
         # read, image tokens the chat template misplaced), a grammar that does not compile or that decoding left.
-        # The caller drops the one row, as for an endpoint.
-        except (ValueError, RuntimeError, OSError) as exc:
-            if type(exc).__name__ == "OutOfMemoryError":  # torch's: the device, not this request; the shard
-                raise  # fails and its resume asks again, where a dropped row would stay dropped
-            raise BackendError(f"local model {self.model_id}: {type(exc).__name__}: {exc}", 1) from exc
+        # The caller drops the one row, as for an endpoint. Anything else is raised (`RequestError`).
+        except RequestError as exc:
+            raise BackendError(f"local model {self.model_id}: {exc}", 1) from exc
 
     async def aclose(self) -> None:
         """Nothing to release: the loaded model is shared by the whole process."""

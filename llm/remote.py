@@ -1,7 +1,7 @@
 """Any OpenAI-compatible endpoint (vLLM, SGLang, Ollama, hosted APIs) through the `openai` package.
 
 Concurrency is bounded per endpoint, so a nightly run with thousands of requests keeps
-a server busy without drowning it; a 429, a 5xx, a timeout or a lost connection is
+a server busy without drowning it; a 408, a 409, a 429, a 5xx, a timeout or a lost connection is
 retried with jittered exponential backoff, or after the wait a server's Retry-After asks
 (tenacity; the openai client's own retries are off, so there is one retry policy, the
 configured one). A slot is held only while a
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import weakref
@@ -24,11 +25,12 @@ from email.utils import parsedate_to_datetime
 
 import openai
 from openai.types.chat import ChatCompletion
+from PIL import Image, UnidentifiedImageError
 from pydantic import SecretStr
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     wait_random_exponential,
 )
@@ -41,8 +43,37 @@ from trajforge.schemas.config import EndpointSettings, redact
 
 logger = logging.getLogger(__name__)
 
-# 429, 5xx, and lost connections including timeouts (APITimeoutError is an APIConnectionError).
-RETRIED = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError)
+
+def _retried(exc: BaseException) -> bool:
+    """Whether a failed attempt is worth another, as the openai client's own policy (off here) judges it: a lost
+    connection or a timeout (APITimeoutError is an APIConnectionError), 408 Request Timeout, 409 (a lock timeout),
+    429, a 5xx."""
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code in (408, 409, 429) or exc.status_code >= 500
+    return isinstance(exc, openai.APIConnectionError)
+
+
+IMAGE_ERRORS = (OSError, Image.DecompressionBombError)
+"""What Pillow raises for bytes it cannot decode: UnidentifiedImageError (an OSError), a truncated or broken
+file, a decompression bomb."""
+
+
+def _image_error(image: ImagePart, exc: BaseException) -> str:
+    # UnidentifiedImageError's message names a BytesIO's address, a new one each run, and the text reaches rows.
+    why = "not an image Pillow can read" if isinstance(exc, UnidentifiedImageError) else str(exc)
+    return f"image {image.sha256} cannot be read: {why}"
+
+
+def unreadable(image: ImagePart) -> str | None:
+    """Why Pillow cannot decode the image's bytes, naming the image; None when it can. Such an image fails every
+    time it is sent or read: the request's failure (a BackendError, a server's 400), neither retried nor a crash
+    of its shard (which a resume met again)."""
+    try:
+        with Image.open(io.BytesIO(image.png or b"")) as pixels:
+            pixels.load()
+    except IMAGE_ERRORS as exc:
+        return _image_error(image, exc)
+    return None
 
 
 MAX_RETRY_AFTER_S = 120.0
@@ -86,12 +117,20 @@ def _wire(message: Message) -> dict[str, object]:
     if not message.images:
         return {"role": message.role, "content": message.text}
     parts = [
-        {"type": "image_url", "image_url": {"url": p.data_url()}}
+        {"type": "image_url", "image_url": {"url": _data_url(p)}}
         if isinstance(p, ImagePart)
         else {"type": "text", "text": p.text}
         for p in message.content
     ]
     return {"role": message.role, "content": parts}
+
+
+def _data_url(image: ImagePart) -> str:
+    """The image as a data URL; a BackendError (no request made) where Pillow cannot tell its format."""
+    try:
+        return image.data_url()
+    except IMAGE_ERRORS as exc:
+        raise BackendError(_image_error(image, exc), 0) from None
 
 
 class OpenAIBackend:
@@ -158,7 +197,9 @@ class OpenAIBackend:
                 # The first attempt runs outside tenacity: its bookkeeping per call (inspect on every hook) cost
                 # about 220 µs of CPU, half the gateway's own cost per call (benchmarks/gateway_bench.py).
                 response = await send()
-            except RETRIED as first:
+            except (openai.APIStatusError, openai.APIConnectionError) as first:
+                if not _retried(first):
+                    raise
                 response = await self._retry(send, first, attempts)
         # The client lets the JSONDecodeError of a malformed body through: it is the server's fault, recorded alike.
         except (openai.OpenAIError, json.JSONDecodeError) as exc:
@@ -189,7 +230,7 @@ class OpenAIBackend:
         from its first attempt on, which re-raises `first` (so its wait, Retry-After and log line are those of
         a failed attempt 1)."""
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(RETRIED),
+            retry=retry_if_exception(_retried),
             stop=stop_after_attempt(self.settings.max_retries + 1),
             wait=_WaitRetryAfter(wait_random_exponential(multiplier=self.settings.backoff_s, max=60)),
             before_sleep=self._log_retry,

@@ -1,6 +1,6 @@
 """Serve the in-process model as an OpenAI-compatible `/v1/chat/completions` endpoint.
 
-    python -m llm.serve [--model smollm2|CHECKPOINT] [--host 127.0.0.1] [--port 8000]
+    python -m trajforge.llm.serve [--model smollm2|CHECKPOINT] [--host 127.0.0.1] [--port 8000]
 
 Why: one machine can hold the model for several workers, and the gateway's HTTP path
 (the one production uses against vLLM) is tested against a real model over real HTTP
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from trajforge.llm.calls import Sampling
 from trajforge.llm.local import LocalModel, load
 from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.remote import unreadable
 from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import load_settings
 
@@ -72,9 +73,12 @@ def _part(part: dict[str, Any], where: str) -> TextPart | ImagePart:
                 400, f"{where}.image_url.url: only base64 data:image/... URLs are supported (no fetching)"
             )
         try:
-            return ImagePart(png=base64.b64decode(data, validate=True))
+            image = ImagePart(png=base64.b64decode(data, validate=True))
         except binascii.Error:
             raise HTTPException(400, f"{where}.image_url.url: not valid base64") from None
+        if why := unreadable(image):  # a 500 for it was retried by every client, and failed alike each time
+            raise HTTPException(400, f"{where}.image_url.url: {why}")
+        return image
     raise HTTPException(400, f"{where}.type: {part.get('type')!r} is not supported (text, image_url)")
 
 
@@ -144,7 +148,7 @@ def create_app(model: LocalModel) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> None:
     local = load_settings().llm.local
-    parser = argparse.ArgumentParser(prog="python -m llm.serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trajforge.llm.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model", default=local.model, help=f"'smollm2' or a checkpoint folder (default: {local.model})"
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -63,9 +64,27 @@ def _no_constant(name: str) -> None:
     raise ParseError(f"{name} is not a JSON value")
 
 
+def _finite(text: str) -> float:
+    """A number with a fraction or an exponent: Python's json reads one beyond a float's range (1e999) as an
+    infinity, which the NaN check never sees and a row keeps."""
+    value = float(text)
+    if math.isinf(value):
+        raise ParseError(f"the number {text[:32]} is beyond a float's range")
+    return value
+
+
+def _integer(text: str) -> int:
+    """An integer: Python refuses one of over 4300 digits with a bare ValueError, which crashed the caller."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ParseError(f"an integer of {len(text)} digits is too long") from None
+
+
 def _json_object(text: str) -> object:
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite,
+                           parse_int=_integer)
         # An escaped character cut in half ("\ud83d" of an emoji, at max_tokens) reads as a lone surrogate: no
         # text, and no Parquet file can hold it, so the row it reached failed its whole shard on every rerun.
         json.dumps(value, ensure_ascii=False).encode()

@@ -4,7 +4,10 @@ for answers a real model server cannot be made to give on demand."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
+from pydantic import BaseModel
 from scripted import GOOD, Reply, ScriptedServer
 from test_llm_failures import Judgement, gateway, judge_prompt
 
@@ -73,3 +76,23 @@ def test_an_answer_held_to_a_json_schema_is_not_reused_for_a_grammar(judge, tmp_
             assert result.record.constrained == how
     assert len(server.requests) == 2, "the third call is the first's, answered from the cache"
     assert "response_format" in server.requests[0]["body"] and "response_format" not in server.requests[1]["body"]
+
+
+class Scored(BaseModel):
+    label: Literal["GOOD", "HARMFUL"]
+    score: float
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    ('{"label": "GOOD", "score": 1e999}', "the number 1e999 is beyond a float's range"),
+    ('{"label": "GOOD", "score": -1e999}', "the number -1e999 is beyond a float's range"),
+    ('{"label": "GOOD", "score": ' + "9" * 5000 + "}", "an integer of 5000 digits is too long"),
+], ids=["inf", "-inf", "5000 digits"])
+def test_a_number_no_float_or_int_holds_is_an_answer_that_does_not_parse(judge, answer, error):
+    """1e999 was parsed as an infinity that a row kept (NaN and Infinity were refused); an integer of over 4300
+    digits raised a bare ValueError out of chat. Either is an unparsed answer, kept raw with why."""
+    with ScriptedServer(Reply(text=answer)) as server, gateway(server.url, reask=0, max_retries=0) as gw:
+        result = gw.chat_sync(judge, schema=Scored)
+        assert gw.stats.parse_failures == 1
+    assert result.parsed is None and result.text == answer and result.parse_error == error
+    assert len(server.requests) == 1

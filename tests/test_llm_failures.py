@@ -9,9 +9,13 @@ Calls that succeed against a real model over HTTP are in test_llm_models.py.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import io
 import json
 import logging
 import os
+import random
 import time
 import traceback
 from datetime import datetime, timedelta, timezone
@@ -21,13 +25,18 @@ from typing import Any, Literal
 
 import pytest
 import sqlalchemy as sa
+from conftest import require
+from fastapi.testclient import TestClient
+from PIL import Image
 from pydantic import BaseModel
 from scripted import GOOD, Reply, ScriptedServer
 
 from trajforge.data.catalog import Lineage
 from trajforge.llm import ChatResult, Gateway, GatewayError, RenderedPrompt, Sampling, load_prompt
 from trajforge.llm.cache import responses
-from trajforge.schemas.config import LLMSettings, Settings, load_settings
+from trajforge.llm.local import load, missing_models
+from trajforge.llm.serve import create_app
+from trajforge.schemas.config import LLMSettings, LocalModelSettings, Settings, load_settings
 
 PROMPT = """
 version: 2
@@ -107,7 +116,8 @@ def test_500_after_the_last_retry_is_an_error_with_its_record(judge, caplog):
     record = err.value.record
     assert len(server.requests) == 3 and record.attempts == 3
     assert "InternalServerError" in record.error and "scripted 500" in record.error
-    assert (record.template, record.template_version, record.model, record.model_id) == ("judge", "2", "s", "scripted")
+    assert (record.template, record.template_version) == ("judge", judge.version)
+    assert (record.model, record.model_id) == ("s", "scripted")
     assert any("endpoint s: attempt 2 failed (InternalServerError" in r.getMessage() for r in caplog.records), (
         "retries are logged"
     )
@@ -153,7 +163,7 @@ def test_truncated_answer_is_reasked_once(judge):
     with ScriptedServer(Reply(text=cut, finish_reason="length"), Reply()) as server, gateway(server.url) as gw:
         result = gw.chat_sync(judge, schema=Judgement)
         assert (gw.stats.reasks, gw.stats.parse_failures) == (1, 0)
-        assert gw.stats.prompts == {"judge": "2", "reask": "1"}
+        assert gw.stats.prompts == {"judge": judge.version, "reask": load_prompt("reask").version}
     first, second = result.calls
     assert first.text == cut and "cut off at max_tokens=30" in first.parse_error and first.finish_reason == "length"
     assert second.reask and second.parse_error is None and result.parsed == Judgement(label="GOOD", reason="fine")
@@ -354,3 +364,96 @@ def test_llm_config_defaults_and_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAJFORGE_LLM__REASK", "2")
     with pytest.raises(ValueError, match="environment variable TRAJFORGE_LLM__REASK: field 'llm.reask'"):
         load_settings()
+
+
+@pytest.mark.parametrize("status", [408, 409])
+def test_a_request_timeout_or_a_conflict_is_retried(judge, status):
+    """408 and 409 (a lock timeout) were recorded as failed calls at once: the openai client's own policy, off
+    here, retries both, and the server may answer the same request next time."""
+    with ScriptedServer(Reply(status=status), Reply()) as server, gateway(server.url) as gw:
+        result = gw.chat_sync(judge, schema=Judgement)
+    assert result.parsed == Judgement(label="GOOD", reason="fine")
+    assert result.record.attempts == 2 and len(server.requests) == 2
+
+
+def test_a_config_key_from_a_yaml_block_reaches_the_server_without_its_newline(judge, tmp_path, monkeypatch, caplog):
+    """`api_key: |` keeps a newline: every call failed as a connection error, retried, and httpx's DEBUG log held
+    the key. It is stripped as the config loads, as a key a variable names is."""
+    for name in list(os.environ):
+        if name.startswith("TRAJFORGE_") and name != "TRAJFORGE_REQUIRE_SERVICES":
+            monkeypatch.delenv(name)
+    caplog.set_level(logging.DEBUG)
+    with ScriptedServer(Reply()) as server:
+        config = tmp_path / "trajforge.yaml"
+        config.write_text(f"llm:\n  default: s\n  endpoints:\n    s:\n      base_url: {server.url}\n      model: m\n"
+                          f"      max_retries: 0\n      api_key: |\n        {SECRET}\n")
+        with Gateway(load_settings(config).llm) as gw:
+            assert gw.chat_sync(judge).text == GOOD
+    assert server.requests[0]["headers"]["authorization"] == f"Bearer {SECRET}"
+    assert SECRET not in caplog.text
+
+
+def test_a_key_variable_with_a_non_ascii_character_is_refused_naming_endpoint_and_variable(monkeypatch):
+    """It raised a bare UnicodeEncodeError out of chat, naming neither, whose text held the whole header."""
+    monkeypatch.setenv("TYPED_KEY", f"{SECRET[:8]}’{SECRET[8:]}")
+    settings = LLMSettings(endpoints={"s": endpoint("http://127.0.0.1:9/v1", api_key_env="TYPED_KEY")})
+    with pytest.raises(ValueError, match="llm.endpoints.s.api_key_env: environment variable TYPED_KEY holds a "
+                                         "non-ASCII character") as err:
+        Gateway(settings)
+    assert SECRET[8:] not in str(err.value)
+
+
+LOOK = """
+version: 1
+messages:
+  - role: user
+    images: screens
+    content: "What does the screen say?"
+"""
+
+
+def _png(size: int) -> bytes:
+    """A PNG of noise (so its data stream is long enough to cut)."""
+    rng = random.Random(0)
+    out = io.BytesIO()
+    Image.frombytes("RGB", (size, size), bytes(rng.randrange(256) for _ in range(size * size * 3))).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("vision", "image"), [
+    (True, b"<html>502 Bad Gateway</html>"),  # sent as a data URL: its format cannot be told
+    (False, b"<html>502 Bad Gateway</html>"),  # read by OCR for a text model
+    (False, _png(64)[:300]),  # truncated: OCR decodes it whole
+], ids=["not an image, sent", "not an image, OCR", "truncated, OCR"])
+def test_an_unreadable_image_is_a_failed_call_naming_it(tmp_path, vision, image):
+    """An image Pillow cannot read raised a bare UnidentifiedImageError (or OSError) out of chat, which crashed
+    its shard again on every resume: it is this call's failure, recorded with the image's hash, and never sent."""
+    (tmp_path / "look.yaml").write_text(LOOK)
+    prompt = load_prompt("look", tmp_path)
+    with ScriptedServer(Reply()) as server, gateway(server.url, vision=vision) as gw:
+        with pytest.raises(GatewayError) as err:
+            gw.chat_sync(prompt.render(screens=[image]))
+        assert gw.stats.errors == 1
+        assert gw.chat_sync(prompt.render(screens=[_png(16)])).text == GOOD, "the next call goes on"
+    sha = hashlib.sha256(image).hexdigest()
+    assert err.value.record.error.startswith(f"image {sha} cannot be read: ")
+    assert err.value.record.attempts == 0 and len(server.requests) == 1
+
+
+def test_llm_serve_answers_400_naming_an_unreadable_image(tmp_path):
+    """`python -m trajforge.llm.serve` answered an image its vision model cannot read with an unhandled 500, which
+    every client retried and which failed alike each time: a 400 that names the part and the image."""
+    from test_llm_models import build_tiny_qwen25_vl  # transformers' vision classes: only this test needs them
+
+    reason = missing_models(embedded=False)
+    require(reason is None, str(reason))
+    build_tiny_qwen25_vl(tmp_path / "vl")
+    model = load(LocalModelSettings(model=str(tmp_path / "vl")))
+    broken = b"<html>502 Bad Gateway</html>"
+    asked = {"model": model.model_id, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What does the screen say?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(broken).decode()}"}}]}]}
+    answer = TestClient(create_app(model), raise_server_exceptions=False).post("/v1/chat/completions", json=asked)
+    sha = hashlib.sha256(broken).hexdigest()
+    assert (answer.status_code, answer.json()["detail"]) == (
+        400, f"messages[0].content[1].image_url.url: image {sha} cannot be read: not an image Pillow can read")
