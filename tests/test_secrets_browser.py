@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from test_env_pool import _Failing  # a site whose pages fail with a server error
 
 from trajforge.envs import secrets
 from trajforge.envs.apps import AppServer
@@ -98,21 +99,6 @@ def test_a_secret_typed_into_a_field_of_no_size_covers_its_closest_ancestor_with
     assert field.value == "<secret>one_time_code</secret>" and field.box is not None and field.box[2:] == (0, 0)
     group = next(n for n in seen.nodes if n.role == "group" and n.name == "One-time code")
     assert group.box == (300, 100, 200, 40) and _black(seen.png, group.box)
-
-
-class _Failing(http.server.BaseHTTPRequestHandler):
-    """Another site whose pages fail with a server error."""
-
-    def do_GET(self) -> None:
-        body = b"<html><body><h1>Internal Server Error</h1></body></html>"
-        self.send_response(500)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 def _follow(env: BrowserEnv, url: str) -> None:
