@@ -35,9 +35,9 @@ from trajforge.llm import ocr
 from trajforge.llm.cache import ResponseCache, cache_key
 from trajforge.llm.calls import BackendError, CallRecord, ChatResult, Completion, Enforcement, GatewayError, Sampling
 from trajforge.llm.local import LocalBackend
-from trajforge.llm.messages import ImagePart, Message, TextPart
+from trajforge.llm.messages import IMAGE_ERRORS, ImagePart, Message, TextPart, unreadable
 from trajforge.llm.prompts import RenderedPrompt, load_prompt
-from trajforge.llm.remote import IMAGE_ERRORS, OpenAIBackend, unreadable
+from trajforge.llm.remote import OpenAIBackend
 from trajforge.llm.structured import Constraint, ParseError, parse
 from trajforge.schemas.config import EndpointSettings, LLMSettings, Settings, header_key
 

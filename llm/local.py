@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trajforge.llm.calls import BackendError, Completion, Enforcement, Sampling
-from trajforge.llm.messages import ImagePart, Message
+from trajforge.llm.messages import IMAGE_ERRORS, ImagePart, Message, image_error
 from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import LocalModelSettings
 
@@ -301,14 +301,12 @@ class LocalModel:
 
 def _image(image: ImagePart) -> Any:
     """The image decoded; one Pillow cannot read is the request's fault (a broken file, a decompression bomb)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         return Image.open(io.BytesIO(image.png or b"")).convert("RGB")
-    except (OSError, Image.DecompressionBombError) as exc:
-        # UnidentifiedImageError's message names a BytesIO's address, a new one each run, and the text reaches rows.
-        why = "not an image Pillow can read" if isinstance(exc, UnidentifiedImageError) else str(exc)
-        raise RequestError(f"image {image.sha256} cannot be read: {why}") from exc
+    except IMAGE_ERRORS as exc:
+        raise RequestError(image_error(image, exc)) from exc
 
 
 class RequestError(ValueError):

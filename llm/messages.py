@@ -12,7 +12,7 @@ import hashlib
 import io
 from typing import Annotated, Literal
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trajforge.data.blobs import BlobStore
@@ -64,6 +64,30 @@ class ImagePart(_Part):
         with Image.open(io.BytesIO(self.png)) as image:
             mime = Image.MIME.get(image.format or "", "image/png")
         return f"data:{mime};base64,{base64.b64encode(self.png).decode()}"
+
+
+IMAGE_ERRORS = (OSError, Image.DecompressionBombError)
+"""What Pillow raises for bytes it cannot decode: UnidentifiedImageError (an OSError), a truncated or broken
+file, a decompression bomb."""
+
+
+def image_error(image: ImagePart, exc: BaseException) -> str:
+    """Why the image cannot be decoded, naming it by its hash, as every failed request for it says."""
+    # UnidentifiedImageError's message names a BytesIO's address, a new one each run, and the text reaches rows.
+    why = "not an image Pillow can read" if isinstance(exc, UnidentifiedImageError) else str(exc)
+    return f"image {image.sha256} cannot be read: {why}"
+
+
+def unreadable(image: ImagePart) -> str | None:
+    """Why Pillow cannot decode the image's bytes, naming the image; None when it can. Such an image fails every
+    time it is sent or read: the request's failure (a BackendError, a server's 400), neither retried nor a crash
+    of its shard (which a resume met again)."""
+    try:
+        with Image.open(io.BytesIO(image.png or b"")) as pixels:
+            pixels.load()
+    except IMAGE_ERRORS as exc:
+        return image_error(image, exc)
+    return None
 
 
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import logging
 import weakref
@@ -25,7 +24,6 @@ from email.utils import parsedate_to_datetime
 
 import openai
 from openai.types.chat import ChatCompletion
-from PIL import Image, UnidentifiedImageError
 from pydantic import SecretStr
 from tenacity import (
     AsyncRetrying,
@@ -37,7 +35,7 @@ from tenacity import (
 from tenacity.wait import wait_base
 
 from trajforge.llm.calls import BackendError, Completion, Enforcement, Sampling
-from trajforge.llm.messages import ImagePart, Message
+from trajforge.llm.messages import IMAGE_ERRORS, ImagePart, Message, image_error
 from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import EndpointSettings, redact
 
@@ -51,29 +49,6 @@ def _retried(exc: BaseException) -> bool:
     if isinstance(exc, openai.APIStatusError):
         return exc.status_code in (408, 409, 429) or exc.status_code >= 500
     return isinstance(exc, openai.APIConnectionError)
-
-
-IMAGE_ERRORS = (OSError, Image.DecompressionBombError)
-"""What Pillow raises for bytes it cannot decode: UnidentifiedImageError (an OSError), a truncated or broken
-file, a decompression bomb."""
-
-
-def _image_error(image: ImagePart, exc: BaseException) -> str:
-    # UnidentifiedImageError's message names a BytesIO's address, a new one each run, and the text reaches rows.
-    why = "not an image Pillow can read" if isinstance(exc, UnidentifiedImageError) else str(exc)
-    return f"image {image.sha256} cannot be read: {why}"
-
-
-def unreadable(image: ImagePart) -> str | None:
-    """Why Pillow cannot decode the image's bytes, naming the image; None when it can. Such an image fails every
-    time it is sent or read: the request's failure (a BackendError, a server's 400), neither retried nor a crash
-    of its shard (which a resume met again)."""
-    try:
-        with Image.open(io.BytesIO(image.png or b"")) as pixels:
-            pixels.load()
-    except IMAGE_ERRORS as exc:
-        return _image_error(image, exc)
-    return None
 
 
 MAX_RETRY_AFTER_S = 120.0
@@ -130,7 +105,7 @@ def _data_url(image: ImagePart) -> str:
     try:
         return image.data_url()
     except IMAGE_ERRORS as exc:
-        raise BackendError(_image_error(image, exc), 0) from None
+        raise BackendError(image_error(image, exc), 0) from None
 
 
 class OpenAIBackend:

@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trajforge.llm.calls import Sampling
 from trajforge.llm.local import LocalModel, load
-from trajforge.llm.messages import ImagePart, Message, TextPart
-from trajforge.llm.remote import unreadable
+from trajforge.llm.messages import ImagePart, Message, TextPart, unreadable
 from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import load_settings
 
