@@ -175,13 +175,15 @@ class Ledger:
         resumed; one of another identity (`run STAGE` after a night made a new version of its input) no command
         could reach at all. The caller holds the warehouse (`writing`), so none of them is still running."""
         unfinished = (runs.c.flow == flow, runs.c.status == "running")
-        # Runs recorded before the scope column are this warehouse's only where their identity says so.
-        mine = sa.or_(runs.c.identity == identity, runs.c.scope == self.scope)
+        # Another warehouse of the database keeps its runs, whatever their identity (two configs may share one);
+        # a run recorded before the scope column is this warehouse's only where its identity says so.
+        legacy = sa.and_(runs.c.scope.is_(None), runs.c.identity == identity)
+        mine = sa.or_(runs.c.scope == self.scope, legacy)
         with self.engine.begin() as conn:
             if fresh:
                 conn.execute(runs.update().where(*unfinished, mine).values(status="abandoned", finished_at=_now()))
             else:
-                row = conn.execute(sa.select(runs).where(*unfinished, runs.c.identity == identity)
+                row = conn.execute(sa.select(runs).where(*unfinished, mine, runs.c.identity == identity)
                                    .order_by(runs.c.started_at.desc())).first()
                 if row is not None:
                     return Run(row.run_id, flow, _utc(row.started_at), resumed=True)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import polars as pl
@@ -414,12 +415,16 @@ def test_fresh_sets_aside_no_run_of_another_warehouse_in_the_database(postgres_u
     here, there = (Ledger(postgres_url, scope=f"catalog/{name}{os.getpid()}-{time.monotonic_ns()}")
                    for name in ("here", "there"))
     try:
-        crashed = here.open_run("nightly", "before a setting changed").run_id
-        theirs = there.open_run("nightly", "their night").run_id
-        assert here.open_run("nightly", "after a setting changed").passed_over == (crashed,)
-        here.open_run("nightly", "after a setting changed", fresh=True)
-        assert crashed not in here.unfinished_runs() and theirs in here.unfinished_runs()
-        there.finish_run(theirs, {})
+        # Identities of this test's own: a run recorded before the scope column is resumed by identity alone.
+        before, after = (f"{setting} a setting changed {uuid.uuid4().hex}" for setting in ("before", "after"))
+        crashed = here.open_run("nightly", before)
+        theirs = there.open_run("nightly", before)  # another config, by chance the same
+        assert not crashed.resumed and not theirs.resumed, "each warehouse resumes only its own runs"
+        assert here.open_run("nightly", after).passed_over == (crashed.run_id,)
+        fresh = here.open_run("nightly", after, fresh=True)
+        assert crashed.run_id not in here.unfinished_runs() and theirs.run_id in here.unfinished_runs()
+        there.finish_run(theirs.run_id, {})
+        here.finish_run(fresh.run_id, {})
     finally:
         here.engine.dispose()
         there.engine.dispose()
