@@ -30,6 +30,7 @@ from trajforge.llm.calls import BackendError, Completion, Enforcement, Sampling
 from trajforge.llm.messages import IMAGE_ERRORS, ImagePart, Message, image_error
 from trajforge.llm.structured import Constraint
 from trajforge.schemas.config import LocalModelSettings
+from trajforge.schemas.ids import digest
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,14 +87,32 @@ def smollm2_folder(cache_dir: Path) -> Path:
     return target
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf")
+"""The files a trainer writes its weights to: with config.json, what `fingerprint` reads."""
+
+
 def checkpoint(model: str) -> tuple[str, Path | None]:
-    """The model id that calls record, and the checkpoint folder (None for the embedded model, converted on load)."""
+    """The model id that calls record, and the checkpoint folder (None for the embedded model, converted on load).
+
+    A folder's id is FOLDER@FINGERPRINT: a trainer that writes new weights into the same folder (the loop
+    training a night again, a trainer's --output_dir overwritten) makes a new id, so the response cache, the
+    lineage and the rollout's attempt keys tell the new model from the old one."""
     if model == SMOLLM2:
         return SMOLLM2_ID, None
     folder = Path(model).expanduser().resolve()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"llm.local.model: {folder} is not a transformers checkpoint (no config.json)")
-    return str(folder), folder
+    return f"{folder}@{fingerprint(folder)}", folder
+
+
+def fingerprint(folder: Path) -> str:
+    """8 hex characters over config.json's bytes and each weight file's name, size and mtime_ns.
+
+    Stat, not the weights' bytes: hashing gigabytes on every lookup would cost seconds, and a rewrite changes
+    the mtime. Files beside the weights (a README, the trainer's logs) leave the id as it was."""
+    weights = sorted({path for pattern in WEIGHT_FILES for path in folder.glob(pattern)})
+    stats = [f"{path.name}\x00{path.stat().st_size}\x00{path.stat().st_mtime_ns}" for path in weights]
+    return digest((folder / "config.json").read_bytes() + "\n".join(stats).encode(), 8)
 
 
 def is_vision(folder: Path | None) -> bool:
@@ -388,23 +407,30 @@ _GLOBAL_RNG = threading.Lock()
 _LOADING = threading.Lock()
 
 
+_LOADED: dict[tuple[str, Path], tuple[str, LocalModel]] = {}
+"""(model, cache_dir) -> the id (`checkpoint`) its weights had when loaded, and the loaded model."""
+
+
 def load(settings: LocalModelSettings) -> LocalModel:
-    """The model `settings` name, loaded once per process (the server and every gateway share it).
+    """The model `settings` name, loaded once per process (the server and every gateway share it), and again
+    when its folder holds new weights (a new `checkpoint` id): the old copy is dropped.
 
     The lock matters: a rollout's parallel episodes ask for the model at the same moment,
     and without it each would load (and hold) its own copy.
     """
     with _LOADING:
-        return _load(settings.model, settings.cache_dir)
-
-
-@functools.cache
-def _load(model: str, cache_dir: Path) -> LocalModel:
-    reason = missing_models(embedded=model == SMOLLM2)
-    if reason:
-        raise ImportError(reason)
-    model_id, folder = checkpoint(model)
-    return LocalModel(folder or smollm2_folder(cache_dir), model_id)
+        key = (settings.model, settings.cache_dir)
+        model_id, folder = checkpoint(settings.model)
+        if key in _LOADED and _LOADED[key][0] == model_id:
+            return _LOADED[key][1]
+        _LOADED.pop(key, None)  # the old weights, freed before the new ones load
+        reason = missing_models(embedded=folder is None)
+        if reason:
+            raise ImportError(reason)
+        # Served by its folder (llm.serve's clients ask ENDPOINT:FOLDER); only the gateway records the fingerprint.
+        model = LocalModel(folder or smollm2_folder(settings.cache_dir), model_id if folder is None else str(folder))
+        _LOADED[key] = model_id, model
+        return model
 
 
 class LocalBackend:
@@ -414,8 +440,12 @@ class LocalBackend:
 
     def __init__(self, settings: LocalModelSettings) -> None:
         self.settings = settings
-        self.model_id, folder = checkpoint(settings.model)
-        self.sees_images = is_vision(folder)
+        self.sees_images = is_vision(checkpoint(settings.model)[1])
+
+    @property
+    def model_id(self) -> str:
+        """Read at each call: a checkpoint retrained in place while the gateway lives answers under its new id."""
+        return checkpoint(self.settings.model)[0]
 
     def enforces(self, constraint: Constraint) -> Enforcement:
         """In process, any format's grammar is enforced while decoding."""

@@ -41,6 +41,7 @@ from trajforge.envs.kinds import AppKind, kind_for, one_session
 from trajforge.envs.pool import map_envs, warm_envs
 from trajforge.envs.spec import AppSpec
 from trajforge.llm import Gateway
+from trajforge.llm.local import SMOLLM2, checkpoint
 from trajforge.llm.prompts import PROMPTS_DIR
 from trajforge.llm.workspace import Workspace, code_version
 from trajforge.rollout.episode import BlobSink, run_episode
@@ -96,11 +97,20 @@ def model_identity(settings: Settings, rollout: RolloutSettings) -> dict[str, An
         return {}
     name = rollout.model or settings.llm.default
     llm = settings.llm
-    model = (llm.local.model if name == "local"
+    model = (_served_in_process(llm.local.model) if name == "local"
              else llm.endpoints[name].model_dump(mode="json", include={"base_url", "model", "vision",
                                                                        "structured_output"})
-             if name in llm.endpoints else name)  # a checkpoint the loop trained: its folder
+             if name in llm.endpoints else _served_in_process(name) if Path(name).is_absolute()
+             else name)  # ENDPOINT:FOLDER, a checkpoint an endpoint serves
     return {"name": name, "model": model, "reask": llm.reask, "constrain": llm.constrain}
+
+
+def _served_in_process(model: str) -> str:
+    """A checkpoint folder's fingerprinted id (`checkpoint`), so a model retrained in place rolls again; the
+    embedded model, and a folder that holds no checkpoint (the gateway fails its calls saying so), as named."""
+    if model == SMOLLM2 or not (Path(model).expanduser() / "config.json").is_file():
+        return model
+    return checkpoint(model)[0]
 
 
 def policy_reads(ws: Workspace, rollout: RolloutSettings) -> dict[str, Any]:

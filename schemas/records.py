@@ -797,8 +797,9 @@ class Checkpoint(Record):
     table: ClassVar[str] = "checkpoints"
     key: ClassVar[str] = "model_id"
 
-    model_id: str = Field(description="The id its answers are recorded under, and its model name in the gateway: "
-                          "the checkpoint folder (served in process), or ENDPOINT:FOLDER (served by that endpoint).")
+    model_id: str = Field(description="Its model name in the gateway: the checkpoint folder (served in process; "
+                          "its answers are recorded under FOLDER@FINGERPRINT, a digest of its config and weight "
+                          "files), or ENDPOINT:FOLDER (served by that endpoint, its answers recorded under FOLDER).")
     checkpoint_hash: str = Field(description="sha256 over the folder's files, names and bytes: the same id naming "
                                  "other weights is told apart.")
     folder: str

@@ -285,6 +285,12 @@ def _checkpoint_of(checkpoints: pl.DataFrame) -> dict[str, dict]:
     return {row["model_id"]: row for row in checkpoints.sort("created_at").iter_rows(named=True)}
 
 
+def _made_by(by_model: dict[str, dict], model_id: str) -> dict | None:
+    """The checkpoints row of a recorded model id: by the id itself, or, for a checkpoint served in process, which
+    records FOLDER@FINGERPRINT (`llm.local.checkpoint`), by its folder, the id the row registers."""
+    return by_model.get(model_id) or by_model.get(model_id.rpartition("@")[0])
+
+
 def _trained_from(checkpoint: dict) -> str:
     """The short hash and the base model: which weights, and which night's policy the data came from."""
     return f"{checkpoint['checkpoint_hash'][:HASH_CHARS]} from {checkpoint['base_model_id']}"
@@ -298,7 +304,7 @@ def _iteration_table(history: pl.DataFrame, by_model: dict[str, dict]) -> list[s
     grouped = history.group_by("iteration", "model_id").agg(
         pl.col("run_id").n_unique().alias("nights"), pl.len().alias("n"), pl.col("success").sum().alias("ok"))
     for row in grouped.sort("iteration", "model_id").iter_rows(named=True):
-        checkpoint = by_model.get(row["model_id"])
+        checkpoint = _made_by(by_model, row["model_id"])
         made = f"{_trained_from(checkpoint)} | {', '.join(checkpoint['trained_on'])}" if checkpoint else "- | -"
         lines.append(f"| {row['iteration']} | {row['model_id']} | {made} | {row['nights']} | "
                      f"{row['n']} | {_rate(row['ok'], row['n'])} |")
@@ -309,7 +315,7 @@ def _this_night(now: pl.DataFrame, trained: pl.DataFrame, by_model: dict[str, di
     """The model(s) that made the night's rollouts and the checkpoint the night trained: the next iteration's."""
     lines = []
     for iteration, model_id in now.select("iteration", "model_id").unique().sort("iteration", "model_id").iter_rows():
-        checkpoint = by_model.get(model_id)
+        checkpoint = _made_by(by_model, model_id)
         made = f"checkpoint {_trained_from(checkpoint)}" if checkpoint else "not a trained checkpoint"
         lines.append(f"- Rollouts: iteration {iteration}, {model_id} ({made}).")
     if now.height == 0:

@@ -38,7 +38,7 @@ from trajforge.envs.browser import Observation, Target
 from trajforge.envs.kinds import kind_for
 from trajforge.guidance.distill import Outcome
 from trajforge.llm import Gateway, GatewayError, ImagePart, Message, Sampling, load_prompt
-from trajforge.llm.local import SMOLLM2_ID, LocalModel, load, missing_models, smollm2_folder
+from trajforge.llm.local import SMOLLM2_ID, LocalModel, checkpoint, load, missing_models, smollm2_folder
 from trajforge.llm.messages import TextPart
 from trajforge.llm.ocr import OcrReader
 from trajforge.llm.structured import Constraint, ThinkAnswer
@@ -47,6 +47,7 @@ from trajforge.query_gen.synthesis import InstructionAnswer
 from trajforge.rollout.gui_owl import FUNCTIONS, GuiOwlPolicy, ToolCall, call_schema, to_action, tool_spec
 from trajforge.rollout.mobile_agent import Notes, Plan, Reflection, WorkerAnswer
 from trajforge.rollout.policy import Draw
+from trajforge.rollout.stage import model_identity
 from trajforge.schemas.config import LLMSettings, LocalModelSettings, load_settings
 from trajforge.schemas.records import Query
 from trajforge.synth.grounding import Described
@@ -254,7 +255,7 @@ def test_a_checkpoint_is_asked_by_its_folder_in_process_or_from_the_endpoint_tha
                 gw.chat_sync(say.render(question="Say hi.", screenshots=[]), model="box")
             with pytest.raises(ValueError, match="no config.json"):
                 gw.chat_sync(say.render(question="Say hi.", screenshots=[]), model=str(tmp_path / "gone"))
-    assert (here.record.backend, here.record.model_id) == ("transformers", str(folder))
+    assert (here.record.backend, here.record.model_id) == ("transformers", checkpoint(str(folder))[0])
     assert (there.record.backend, there.record.model, there.record.model_id) == ("openai", f"box:{folder}", str(folder))
     assert here.text.strip() and there.text == here.text  # the same weights, greedy
 
@@ -361,8 +362,9 @@ def test_an_image_the_local_model_cannot_read_fails_that_request_as_a_gateway_er
             gw.chat_sync(broken)
         assert gw.stats.errors == 1 and gw.stats.calls == 0
     record = err.value.record
-    assert (record.model_id, record.backend, record.observation_mode) == (str(tiny_vl), "transformers", "image")
-    assert record.error == f"local model {tiny_vl}: image {broken_image.sha256} cannot be read: not an image " \
+    model_id = checkpoint(str(tiny_vl))[0]
+    assert (record.model_id, record.backend, record.observation_mode) == (model_id, "transformers", "image")
+    assert record.error == f"local model {model_id}: image {broken_image.sha256} cannot be read: not an image " \
         "Pillow can read"
 
 
@@ -377,7 +379,8 @@ def test_local_vision_checkpoint_sees_the_image_in_process_and_over_http(tiny_vl
         in_process = gw.chat_sync(prompt, sampling=sampling)
         text_only = gw.chat_sync(say.render(question="click the Checkout button", screenshots=[]), sampling=sampling)
     record = in_process.record
-    assert (record.model_id, record.backend, record.observation_mode) == (str(tiny_vl), "transformers", "image")
+    model_id = checkpoint(str(tiny_vl))[0]
+    assert (record.model_id, record.backend, record.observation_mode) == (model_id, "transformers", "image")
     assert record.tokens_in > text_only.record.tokens_in + 10, "the image's tokens are in the input"
     assert 0 < record.tokens_out <= 4
 
@@ -391,6 +394,41 @@ def test_local_vision_checkpoint_sees_the_image_in_process_and_over_http(tiny_vl
     assert over_http.record.observation_mode == "image" and over_http.record.backend == "openai"
     # The same weights given the same image as a data URL: the same input tokens and the same greedy answer.
     assert (over_http.record.tokens_in, over_http.text) == (record.tokens_in, in_process.text)
+
+
+def test_a_checkpoint_written_again_into_its_folder_is_a_new_model(tiny_vl, say, tmp_path):
+    """A trainer that writes new weights into the same folder (the loop training a night again, a trainer's
+    --output_dir overwritten) makes a new model: a new id, so its answers come from its new weights, not from the
+    old model's cached ones, and its queries roll again. A file written beside the weights changes nothing."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_vl, folder)
+    config = tmp_path / "trajforge.yaml"
+    config.write_text(json.dumps({"warehouse": {"path": str(tmp_path / "warehouse")},
+                                  "llm": {"default": "local", "local": {"model": str(folder)}}}))
+    settings = load_settings(config)
+    prompt = say.render(question="click Checkout", screenshots=[])
+    sampling = Sampling(max_tokens=4)
+    with Gateway.from_settings(settings) as gw:
+        old = gw.chat_sync(prompt, sampling=sampling)
+        rolled = model_identity(settings, settings.rollout)
+        (folder / "README.md").write_text("A model card the trainer wrote.\n")
+        assert gw.chat_sync(prompt, sampling=sampling).record.model_id == old.record.model_id
+        assert model_identity(settings, settings.rollout) == rolled
+
+        retrained = AutoModelForImageTextToText.from_pretrained(folder)
+        with torch.no_grad():
+            for weights in retrained.parameters():
+                weights.add_(torch.randn_like(weights))
+        retrained.save_pretrained(folder)
+        new = gw.chat_sync(prompt, sampling=sampling)
+    loaded = load(settings.llm.local).model.state_dict()
+    assert all(torch.equal(loaded[name], weights) for name, weights in retrained.state_dict().items())
+    assert not new.record.cached and new.record.model_id != old.record.model_id
+    assert model_identity(settings, settings.rollout) != rolled  # a new attempt key: its queries roll again
+    assert old.record.model_id.startswith(f"{folder}@") and new.record.model_id.startswith(f"{folder}@")
 
 
 def test_missing_checkpoint_names_the_setting(tmp_path):

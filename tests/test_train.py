@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 
 import polars as pl
@@ -21,7 +22,9 @@ from trajforge.flows.stages import stages
 from trajforge.llm.local import missing_models, smollm2_folder
 from trajforge.llm.workspace import Workspace
 from trajforge.schemas.config import ConfigError, LocalModelSettings, Settings, load_settings
+from trajforge.schemas.records import Checkpoint, QueryAttempt
 from trajforge.synth.handoff import SFT_TABLES
+from trajforge.synth.report import render_iterations
 from trajforge.tasks.runner import commit, plan, run_shard
 from trajforge.train.stage import TrainerError, TrainUnit, base_folder, folder_hash, run_trainer, write_data
 
@@ -108,9 +111,12 @@ def test_the_next_rollout_acts_with_the_checkpoint_as_a_new_iteration(trained, t
     ws = workspace(trained)
     (row,) = ws.catalog.load("checkpoints").iter_rows(named=True)
     episodes = by_policy(ws.catalog.load("episodes")).filter(pl.col("policy") == "gui_owl_e2e")
-    assert episodes.height > 0 and set(episodes["model_id"]) == {row["model_id"]}
+    # Served in process, its answers are recorded under its folder and the fingerprint of its weights.
+    recorded = ws.gateway.backend(row["model_id"]).model_id
+    assert recorded.startswith(f"{row['folder']}@")
+    assert episodes.height > 0 and set(episodes["model_id"]) == {recorded}
     history = ws.catalog.load("query_history")
-    assert dict(history.select("model_id", "iteration").unique().iter_rows()) == {"replay": 0, row["model_id"]: 1}
+    assert dict(history.select("model_id", "iteration").unique().iter_rows()) == {"replay": 0, recorded: 1}
 
 
 def test_a_trainer_that_fails_names_its_exit_and_log_and_registers_nothing(trained, trajforge_cli):
@@ -154,6 +160,28 @@ def test_a_relative_model_folder_reaches_the_trainer_as_an_absolute_one(tmp_path
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TRAJFORGE_LLM__LOCAL__MODEL", "models/policy")
     assert base_folder(Workspace.open(load_settings(None)), "local") == str(tmp_path / "models" / "policy")
+
+
+def test_a_checkpoint_goes_by_its_folder_to_the_trainer_and_in_the_report(tmp_path):
+    """A checkpoint served in process records its answers as FOLDER@FINGERPRINT (a model retrained in place is a
+    new model), yet the trainer's {base} is its folder, and the report finds the checkpoint that made a rollout."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    ws = Workspace.open(Settings(warehouse={"path": tmp_path / "warehouse"}))
+    assert base_folder(ws, str(folder)) == str(folder)
+    recorded = ws.gateway.backend(str(folder)).model_id
+    assert recorded.startswith(f"{folder}@")
+    at = datetime(2026, 12, 1, tzinfo=UTC)
+    checkpoints = pl.DataFrame([Checkpoint(
+        run_id="night-1", model_id=str(folder), checkpoint_hash="ab" * 32, folder=str(folder), served_by="local",
+        base_model_id="base", root_model_id="base", trained_on=["train_e2e@1"], samples=1, steps=1, trainer="t",
+        seconds=1.0, created_at=at).model_dump()])
+    history = pl.DataFrame([QueryAttempt(
+        run_id="night-2", episode_id="ep", query_id="q", app="shop", source="page_graph", iteration=1,
+        policy="model", model_id=recorded, success=True, judged_at=at).model_dump()])
+    report = "\n".join(render_iterations(history, checkpoints, "night-2"))
+    assert f"- Rollouts: iteration 1, {recorded} (checkpoint abababababab from base)." in report
 
 
 def test_a_train_stage_that_died_after_its_commit_finishes_on_rerun_without_training_again(trained, monkeypatch):

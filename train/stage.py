@@ -138,6 +138,8 @@ def base_folder(ws: Workspace, name: str) -> str:
         # Absolute: the trainer runs in its export folder, where a path relative to the user's folder means nothing.
         folder = smollm2_folder(local.cache_dir) if local.model == SMOLLM2 else Path(local.model).expanduser()
         return str(folder.resolve())
+    if Path(name).is_absolute():  # a checkpoint the loop trained: its folder, not its fingerprinted model id
+        return str(Path(name).resolve())
     return ws.gateway.backend(name).model_id
 
 
