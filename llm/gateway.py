@@ -247,13 +247,16 @@ class Gateway:
         how = backend.enforces(constraint) if constraint is not None else None
         if how is None:
             constraint = None
-        key = cache_key(backend.model_id, prompt.template, prompt.version, messages, sampling, observation,
+        # Read once: a local checkpoint's id is a fingerprint of its files (`llm.local.checkpoint`), so the key,
+        # the record and the cache entry name one model even if the folder is written meanwhile.
+        model_id = backend.model_id
+        key = cache_key(model_id, prompt.template, prompt.version, messages, sampling, observation,
                         _held_to(constraint, how))
         about: dict[str, Any] = dict(
             template=prompt.template,
             template_version=prompt.version,
             model=name,
-            model_id=backend.model_id,
+            model_id=model_id,
             backend=backend.kind,
             observation_mode=mode,
             sampling=sampling,
@@ -261,14 +264,14 @@ class Gateway:
             reask=reask,
             constrained=how,
         )
-        self.stats.models[name] = backend.model_id
+        self.stats.models[name] = model_id
         self.stats.prompts[prompt.template] = prompt.version
         answer = await asyncio.to_thread(self.cache.get, key) if self.cache else None
         cached = answer is not None
         if answer is None:
             answer = await self._ask(backend, messages, sampling, constraint, mode, about, start)
             if self.cache and _finished(answer):
-                await asyncio.to_thread(self.cache.put, key, backend.model_id, prompt.template, prompt.version, answer)
+                await asyncio.to_thread(self.cache.put, key, model_id, prompt.template, prompt.version, answer)
             self.stats.tokens_in += answer.tokens_in or 0
             self.stats.tokens_out += answer.tokens_out or 0
         record = CallRecord(

@@ -60,6 +60,14 @@ class Workspace:
         return cls(settings, catalog, BlobStore(catalog.warehouse / "blobs"),
                    Ledger(catalog.uri, scope=scope_of(catalog.iceberg.name, catalog.namespace)))
 
+    def close(self) -> None:
+        """Release what the workspace opened: its model gateway if anything asked for it (connections, the
+        response cache's pool), the catalog's and the ledger's database connections."""
+        if (gateway := self.__dict__.get("gateway")) is not None:  # a cached_property: there once it was used
+            gateway.close()
+        self.catalog.close()
+        self.ledger.engine.dispose()
+
     def run_tag(self, run_id: str) -> str:
         """The tag a run's versions get: nightly-YYYY-MM-DD for a nightly run, else the run id."""
         run = self.ledger.get_run(run_id)

@@ -96,23 +96,13 @@ def _open(run_id: str, settings: Settings) -> Workspace:
     # A worker's workspace has the settings a shard brought; the one the caller registered (thread engine) has
     # them before `portable`.
     if ws is not None and settings not in (ws.settings, portable(ws.settings)):
-        _close(_WORKSPACES.pop(run_id))  # the command that sent the old settings has ended (one holds a warehouse)
+        _WORKSPACES.pop(run_id).close()  # the command that sent the old settings has ended (one holds a warehouse)
         ws = None
     if ws is None:
         _WORKSPACES.clear()  # not closed: another warehouse's night may have a shard running on another thread
         use_app_dirs(settings.query_gen.app_dirs)  # the user's apps, known to kind_for in this worker too
         ws = _WORKSPACES[run_id] = Workspace.open(settings)
     return ws
-
-
-def _close(ws: Workspace) -> None:
-    """Release what a workspace `_open` opened: its model gateway if a shard used one (connections, the
-    response cache's pool), the catalog's and the ledger's database connections."""
-    gateway = ws.__dict__.get("gateway")  # a cached_property: there only once a shard asked for it
-    if gateway is not None:
-        gateway.close()
-    ws.catalog.close()
-    ws.ledger.engine.dispose()
 
 
 @task(name="shard", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
