@@ -82,6 +82,7 @@ from trajforge.envs.apps.interaction import (
 from trajforge.envs.axtree import AXNode, parse
 from trajforge.envs.browser import BrowserEnv, EnvFault, Observation
 from trajforge.envs.spec import (
+    SLOT_STAND_IN,
     AppSpec,
     SpecError,
     placeholders,
@@ -321,10 +322,6 @@ def _texts(check: Check) -> list[tuple[str, str]]:
                 *([("equals", check.equals)] if isinstance(check.equals, str) else [])]
     return []
 
-
-SLOT_STAND_IN = "x"
-"""What fills each {slot} of a check read at load time: the check must parse as a regular expression or a
-JMESPath once filled, as it is filled at the end of an episode (a slot value is escaped there, so any one does)."""
 
 
 def _selector_problem(selector: str) -> str | None:

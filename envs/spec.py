@@ -124,6 +124,10 @@ def placeholders(template: str) -> set[str]:
 
 
 BRACE_HINT = "a literal brace is written twice: {{ or }}"
+SLOT_STAND_IN = "x"
+"""What fills each {slot} of a template read at load time: it must fill as `str.format_map` fills it, and a check
+parse as a regular expression or a JMESPath once filled, as at the end of an episode (a slot value is escaped
+there, so any one does)."""
 
 
 def template_problem(field: str, template: str, fills: tuple[str, ...] | None = None) -> str | None:
@@ -135,7 +139,7 @@ def template_problem(field: str, template: str, fills: tuple[str, ...] | None = 
         if fills is not None and (unknown := sorted(names - set(fills))):
             return (f"{field} {template!r}: {{{unknown[0]}}} is filled by nothing here; it may hold "
                     + ", ".join(f"{{{n}}}" for n in fills) + f" ({BRACE_HINT})")
-        template.format_map(dict.fromkeys(names, "x"))  # any value: a conversion or format spec fails on each
+        template.format_map(dict.fromkeys(names, SLOT_STAND_IN))  # a conversion or format spec fails on any
     except (ValueError, LookupError, AttributeError) as exc:
         return f"{field}: {exc} in {template!r} ({BRACE_HINT})"
     return None
